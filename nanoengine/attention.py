@@ -1,0 +1,123 @@
+"""Attention over the paged KV cache, and the kernels behind it.
+
+Each step, an attention layer first stores this step's keys and values into the cache through
+the slot mapping, then attends: a prefill step over variable-length sequences packed into one
+batch, a decode step with one query per sequence over its block table. The kernels have
+flash-attn's signatures and semantics. On CUDA they *are* flash-attn (and a Triton kernel for the
+store); on CPU they are the pure-torch functions below. The choice is made once, in
+``get_backend``; the model never asks which device it runs on.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoengine.context import Context
+from nanoengine.store_kvcache import store_kvcache_torch
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """Attention of one sequence: q [Lq, H, D] against k, v [Lk, Hk, D] -> [Lq, H, D].
+
+    When Lq < Lk (the first keys come from the prefix cache) the causal mask is aligned to the
+    bottom right, as in flash-attn: query i sits at position Lk - Lq + i.
+    """
+    lq, lk = q.shape[0], k.shape[0]
+    mask = None
+    if causal and lq != lk:
+        mask = torch.arange(lk, device=q.device) <= torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+        is_causal=causal and lq == lk, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 softmax_scale=None, causal=False, block_table=None):
+    """Reference for flash-attn's ``flash_attn_varlen_func`` (the subset nanoengine uses).
+
+    Without ``block_table``, k and v are packed like q. With it, k and v are the paged caches
+    ``[num_blocks, block_size, Hk, D]`` and sequence i's keys are read through block_table[i].
+    Each sequence attends only to its own keys, so packed neighbours never mix.
+    """
+    out = torch.empty_like(q)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    block_size = k.shape[1] if block_table is not None else 0
+    for i in range(len(cu_q) - 1):
+        q_i = q[cu_q[i]:cu_q[i + 1]]
+        if block_table is None:
+            k_i, v_i = k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+        else:
+            seqlen_k = cu_k[i + 1] - cu_k[i]
+            blocks = block_table[i, :(seqlen_k + block_size - 1) // block_size]
+            k_i, v_i = k[blocks].flatten(0, 1)[:seqlen_k], v[blocks].flatten(0, 1)[:seqlen_k]
+        out[cu_q[i]:cu_q[i + 1]] = _attend(q_i, k_i, v_i, softmax_scale, causal)
+    return out
+
+
+def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,
+                                  causal=False):
+    """Reference for flash-attn's ``flash_attn_with_kvcache`` over a paged cache.
+
+    q is ``[batch, seqlen_q, H, D]``; sequence b's keys are the first ``cache_seqlens[b]`` slots
+    of the blocks in block_table[b]. All sequences are gathered at once and padded to the longest
+    block table; the mask hides the padding. A row of length 0 (a padded batch row) gives zeros.
+    """
+    batch, seqlen_q = q.shape[:2]
+    k = k_cache[block_table].flatten(1, 2)  # [batch, max_blocks * block_size, Hk, D]
+    v = v_cache[block_table].flatten(1, 2)
+    key_pos = torch.arange(k.shape[1], device=q.device)
+    # Query j of sequence b sits at position cache_seqlens[b] - seqlen_q + j.
+    limit = cache_seqlens[:, None] - seqlen_q + (torch.arange(seqlen_q, device=q.device) if causal else seqlen_q - 1)
+    mask = key_pos[None, None, :] <= limit[:, :, None]  # [batch, seqlen_q, keys]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None],
+        scale=softmax_scale, enable_gqa=True).transpose(1, 2)
+    return out.masked_fill((cache_seqlens == 0)[:, None, None, None], 0)  # flash-attn: empty rows give 0
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    store_kvcache: Callable
+    flash_attn_varlen_func: Callable
+    flash_attn_with_kvcache: Callable
+
+
+def get_backend(device: torch.device) -> AttentionBackend:
+    if device.type != "cuda":
+        return AttentionBackend(store_kvcache_torch, flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch)
+    try:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+    except ImportError as e:
+        raise ValueError("running on CUDA needs flash-attn: `pip install .[gpu]` (or pass device='cpu')") from e
+    from nanoengine.store_kvcache import store_kvcache_triton
+    return AttentionBackend(store_kvcache_triton, flash_attn_varlen_func, flash_attn_with_kvcache)
+
+
+class Attention(nn.Module):
+    """One layer's attention; the model runner binds its cache slices and backend."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.k_cache = self.v_cache = torch.empty(0)
+        self.backend = get_backend(torch.device("cpu"))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """q: [num_tokens, H, D], k and v: [num_tokens, Hk, D] -> [num_tokens, H, D]."""
+        self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if ctx.is_prefill:
+            if ctx.block_tables is not None:  # some prompt starts in the prefix cache: read it back
+                k, v = self.k_cache, self.v_cache
+            return self.backend.flash_attn_varlen_func(
+                q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
+                max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
+                softmax_scale=self.scale, causal=True, block_table=ctx.block_tables)
+        out = self.backend.flash_attn_with_kvcache(
+            q.unsqueeze(1), self.k_cache, self.v_cache, cache_seqlens=ctx.context_lens,
+            block_table=ctx.block_tables, softmax_scale=self.scale, causal=True)
+        return out.squeeze(1)

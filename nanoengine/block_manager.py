@@ -1,0 +1,156 @@
+"""The paged KV cache's bookkeeping: physical blocks, block tables and prefix caching.
+
+The KV cache is ``num_blocks`` physical blocks of ``block_size`` token slots. Each sequence owns
+a block table mapping its logical blocks to physical ones; token ``t`` of a sequence lives in
+slot ``block_table[t // block_size] * block_size + t % block_size``.
+
+Prefix caching: a *full* block is identified by a hash chained over every token up to and
+including it (``hash(previous block's hash, this block's tokens)``), so equal hashes mean equal
+prefixes and sequences that start alike share physical blocks. Blocks are reference counted.
+A block whose count drops to zero returns to the free pool with its hash and contents intact: a
+later prompt with the same prefix revives it, until the pool hands it out for new content
+(least recently freed first), which is when its hash entry is dropped.
+"""
+
+from array import array
+from collections import OrderedDict
+
+import xxhash
+
+from nanoengine.sequence import Sequence
+
+
+def compute_block_hash(token_ids: list[int], prefix_hash: int) -> int:
+    """xxh64 over the previous block's hash and this block's token ids."""
+    h = xxhash.xxh64()
+    if prefix_hash != -1:
+        h.update(prefix_hash.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+class Block:
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1  # -1: not a full, registered block
+        self.token_ids: list[int] = []  # kept to confirm a hash hit against a collision
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        # Free blocks in the order they were freed: the front is reused first, so the blocks
+        # freed longest ago lose their cached contents first (LRU eviction).
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self.free_block_ids)
+
+    # -- prefill ------------------------------------------------------------------------------
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Physical blocks holding the longest cached prefix of ``seq``.
+
+        Only full blocks before the sequence's last token are eligible: the last token is always
+        computed, because the model needs its hidden state to produce the next token's logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits, prefix_hash = [], -1
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            token_ids = seq.block(i)
+            prefix_hash = compute_block_hash(token_ids, prefix_hash)
+            block_id = self.hash_to_block_id.get(prefix_hash)
+            if block_id is None or self.blocks[block_id].token_ids != token_ids:
+                break
+            hits.append(block_id)
+        return hits
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        return len(self._cached_prefix(seq)) * self.block_size
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._cached_prefix(seq)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # free now, taken back
+        return seq.num_blocks - len(hits) + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give a waiting sequence its block table: cached blocks first, fresh ones after.
+
+        Fresh full blocks are registered right away. Their K/V is written in this very step, and
+        within each layer every token's K/V is stored before anyone attends, so a sequence later
+        in the same batch may already share them.
+        """
+        assert not seq.block_table
+        hits = self._cached_prefix(seq)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+        seq.block_table = list(hits)
+        seq.num_cached_tokens = len(hits) * self.block_size
+        prefix_hash = self.blocks[hits[-1]].hash if hits else -1
+        for i in range(len(hits), seq.num_blocks):
+            block = self._take_free_block()
+            seq.block_table.append(block.block_id)
+            token_ids = seq.block(i)
+            if len(token_ids) == self.block_size:
+                prefix_hash = self._register(block, token_ids, prefix_hash)
+
+    def deallocate(self, seq: Sequence) -> None:
+        # Tail blocks first, so a prompt's later blocks are evicted before its shared start.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    # -- decode -------------------------------------------------------------------------------
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the slot for the sequence's newest token can be found or made."""
+        return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks > 0
+
+    def may_append(self, seq: Sequence) -> None:
+        """Before a decode step: the newest token starts a new block exactly at a boundary."""
+        if len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._take_free_block().block_id)
+
+    def cache_full_block(self, seq: Sequence) -> None:
+        """After a decode step: register the last block once the step has filled it with K/V."""
+        if not self.enable_prefix_caching or seq.num_tokens % self.block_size:
+            return
+        block = self.blocks[seq.block_table[-1]]
+        if block.hash == -1:
+            prev = self.blocks[seq.block_table[-2]].hash if len(seq.block_table) > 1 else -1
+            self._register(block, seq.block(len(seq.block_table) - 1), prev)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _take_free_block(self) -> Block:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]  # its old contents are about to be overwritten
+        block.hash, block.token_ids, block.ref_count = -1, [], 1
+        return block
+
+    def _register(self, block: Block, token_ids: list[int], prefix_hash: int) -> int:
+        block.hash = compute_block_hash(token_ids, prefix_hash) if self.enable_prefix_caching else -1
+        if block.hash != -1:
+            block.token_ids = list(token_ids)
+            self.hash_to_block_id[block.hash] = block.block_id
+        return block.hash

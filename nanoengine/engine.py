@@ -1,0 +1,138 @@
+"""The engine: the public face of nanoengine and the loop that drives everything else.
+
+``LLMEngine`` takes requests (``add_request``), advances all of them by one step at a time
+(``step``: schedule -> run the model -> postprocess), and lets a caller drop a request
+(``abort_request``). ``LLM.generate`` is the offline batch API built on those three calls.
+"""
+
+import time
+
+from tqdm.auto import tqdm
+
+from nanoengine.block_manager import BlockManager
+from nanoengine.config import Config
+from nanoengine.loader import load_hf_config, load_tokenizer, resolve_model_path
+from nanoengine.model_runner import ModelRunner
+from nanoengine.sampling_params import SamplingParams
+from nanoengine.scheduler import Scheduler
+from nanoengine.sequence import Sequence
+
+
+class LLMEngine:
+    def __init__(self, model: str | None = None, **kwargs):
+        self.config = config = Config.from_kwargs(model, kwargs)
+        path = resolve_model_path(model)
+        hf_config = load_hf_config(path)
+        self.tokenizer = load_tokenizer(path)
+        self.vocab_size = hf_config.vocab_size
+        config.resolve_limits(hf_config.max_position_embeddings)
+        self.model_runner = ModelRunner(config, hf_config, path)
+        config.fit_to_kvcache(self.model_runner.num_kvcache_blocks, self.model_runner.block_size)
+        eos = hf_config.eos_token_id
+        eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.model_runner.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len, eos_token_ids)
+        self.requests: dict[int, Sequence] = {}
+        # Cumulative; "<phase>_tokens" counts the tokens the model computed in that phase.
+        self.counters = dict.fromkeys(["prompt_tokens", "generated_tokens", "prefill_steps", "prefill_tokens",
+                                       "prefill_seconds", "decode_steps", "decode_tokens", "decode_seconds"], 0)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids, or a ``ValueError`` if the engine could never serve it."""
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        else:
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) > self.config.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len="
+                             f"{self.config.max_model_len}")
+        return token_ids
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
+        """Queue a request; returns its id. The prompt is checked before anything is queued."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        seq = Sequence(self.tokenize(prompt), sampling_params, self.model_runner.block_size)
+        self.scheduler.add(seq)
+        self.requests[seq.seq_id] = seq
+        self.counters["prompt_tokens"] += seq.num_prompt_tokens
+        return seq.seq_id
+
+    def abort_request(self, request_id: int) -> None:
+        """Drop a request now; its KV blocks return to the pool at once."""
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    def step(self) -> tuple[list[Sequence], bool]:
+        """Advance by one model step; returns the sequences that got a token and whether it was a prefill."""
+        seqs, is_prefill = self.scheduler.schedule()
+        num_tokens = sum(seq.num_tokens - seq.num_cached_tokens for seq in seqs) if is_prefill else len(seqs)
+        start = time.perf_counter()
+        token_ids = self.model_runner.run(seqs, is_prefill)
+        self.scheduler.postprocess(seqs, token_ids, is_prefill)
+        phase = "prefill" if is_prefill else "decode"
+        self.counters[f"{phase}_steps"] += 1
+        self.counters[f"{phase}_tokens"] += num_tokens
+        self.counters[f"{phase}_seconds"] += time.perf_counter() - start
+        self.counters["generated_tokens"] += len(seqs)
+        for seq in seqs:
+            if seq.is_finished:
+                self.requests.pop(seq.seq_id, None)
+        return seqs, is_prefill
+
+    def has_unfinished_requests(self) -> bool:
+        return not self.scheduler.is_finished()
+
+    def stats(self) -> dict:
+        return {
+            "num_kvcache_blocks": len(self.block_manager.blocks),
+            "kvcache_blocks_in_use": self.block_manager.num_used_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_tokens": self.scheduler.prefix_cache_hit_tokens,
+            **self.counters,
+        }
+
+
+class LLM(LLMEngine):
+    def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
+                 use_tqdm: bool = True) -> list[dict]:
+        """Complete every prompt; results come back in the order of the prompts."""
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        for params in sampling_params:
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        token_ids = [self.tokenize(p) for p in prompts]  # every prompt checked before any is queued
+        seq_ids = [self.add_request(t, p) for t, p in zip(token_ids, sampling_params)]
+        seqs = [self.requests[i] for i in seq_ids]
+        bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            while any(not seq.is_finished for seq in seqs):
+                stepped, _ = self.step()
+                c = self.counters
+                bar.set_postfix_str(f"prefill {c['prefill_tokens'] / max(c['prefill_seconds'], 1e-9):.0f} tok/s, "
+                                    f"decode {c['decode_tokens'] / max(c['decode_seconds'], 1e-9):.0f} tok/s",
+                                    refresh=False)
+                bar.update(sum(s.is_finished for s in stepped))
+        finally:
+            bar.close()
+            for seq_id in seq_ids:  # an interrupted generate leaves nothing queued behind
+                self.abort_request(seq_id)
+        return [{"text": self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True),
+                 "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason} for seq in seqs]

@@ -1,0 +1,69 @@
+"""Building blocks of the decoder that are not attention: norms, rotary embedding, projections.
+
+Projections that read the same input are fused into one matmul (q/k/v into ``qkv_proj``,
+gate/up into ``gate_up_proj``): one large product instead of several small ones. Checkpoints
+store them separately, so a ``PackedLinear`` knows where each checkpoint tensor goes.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 (as HF does) so bf16 activations do not lose the small variance.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class PackedLinear(nn.Linear):
+    """A linear layer whose output rows are several checkpoint projections stacked together."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str | int, int], bias: bool):
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_offsets, offset = {}, 0
+        for shard_id, size in shard_sizes.items():
+            self.shard_offsets[shard_id] = (offset, size)
+            offset += size
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int) -> None:
+        offset, size = self.shard_offsets[shard_id]
+        param.data[offset:offset + size].copy_(loaded)
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (the "rotate half" layout HF's Llama and Qwen use).
+
+    cos/sin for every position up to ``max_position`` are computed once; each step only indexes
+    them with the tokens' positions, which is what lets prefill and decode share one code path.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
+        # A plain attribute, not a buffer: ``model.to(bfloat16)`` must not round the angles.
+        self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

@@ -1,0 +1,126 @@
+"""The decoder: Llama, Qwen2 and Qwen3 in one module, chosen from the HF config.
+
+The three differ in two details: Qwen2 adds a bias to the q/k/v projections, and Qwen3
+normalises each query and key head (RMSNorm over head_dim) before the rotary embedding.
+Tokens of all sequences in a step are packed into one flat batch, ``[num_tokens, hidden]``:
+there is no padding anywhere in the model; the ``Context`` tells attention where sequences start.
+"""
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanoengine.attention import Attention
+from nanoengine.context import Context
+from nanoengine.layers import PackedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def rope_theta(config: PretrainedConfig) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"rope type {rope_type!r} is not supported (only the default rotary embedding)")
+    return params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, max_position: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        qkv_bias = getattr(config, "attention_bias", config.model_type == "qwen2")
+        self.qkv_proj = PackedLinear(config.hidden_size, {
+            "q": self.num_heads * self.head_dim,
+            "k": self.num_kv_heads * self.head_dim,
+            "v": self.num_kv_heads * self.head_dim,
+        }, bias=qkv_bias)
+        o_bias = getattr(config, "attention_bias", False) and config.model_type != "qwen2"
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, rope_theta(config))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, ctx)
+        return self.o_proj(out.flatten(1))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.gate_up_proj = PackedLinear(config.hidden_size, {0: config.intermediate_size,
+                                                              1: config.intermediate_size}, bias=False)
+        self.act = SiluAndMul()
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, max_position: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, max_position)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DecoderMLP(config)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, max_position: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, max_position) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, ctx)
+        return self.norm(hidden)
+
+
+class CausalLM(nn.Module):
+    # Checkpoint tensor name fragment -> (fused parameter it goes into, shard id).
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: PretrainedConfig, max_position: int):
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model type {config.model_type!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        self.model = DecoderModel(config, max_position)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """Hidden states of every token in the step, ``[num_tokens, hidden]``."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,141 @@
+"""The model runner: owns the model and the KV cache, and turns scheduled sequences into tokens.
+
+Each step it packs the scheduled sequences into flat input tensors, builds the step's attention
+metadata (slot mapping, cu_seqlens or context lengths, block tables), runs the model, and
+samples one token per sequence.
+"""
+
+import torch
+from transformers import PretrainedConfig
+
+from nanoengine.attention import Attention, get_backend
+from nanoengine.config import Config
+from nanoengine.context import Context
+from nanoengine.loader import load_weights
+from nanoengine.model import CausalLM
+from nanoengine.sampler import Sampler
+from nanoengine.sequence import Sequence
+
+CPU_KVCACHE_BYTES = 1 << 30  # the RAM budget for the KV cache on CPU
+
+
+class ModelRunner:
+    def __init__(self, config: Config, hf_config: PretrainedConfig, model_path: str):
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.block_size = config.kvcache_block_size or (256 if self.device.type == "cuda" else 16)
+        if self.device.type == "cuda" and self.block_size % 256:
+            raise ValueError(f"kvcache_block_size={self.block_size}: flash-attn's paged KV cache on CUDA "
+                             "needs a multiple of 256")
+        with torch.device(self.device):
+            self.model = CausalLM(hf_config, max_position=config.max_model_len)
+        load_weights(self.model, model_path)
+        self.model.to(self.dtype).eval()
+        self.sampler = Sampler()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        backend = get_backend(self.device)
+        for layer in self.attention_layers:
+            layer.backend = backend
+        self.num_kvcache_blocks = config.num_kvcache_blocks or self._kvcache_blocks_for_budget(config)
+        self._allocate_kvcache()
+
+    def _kvcache_block_bytes(self) -> int:
+        a = self.attention_layers[0]
+        per_token = 2 * len(self.attention_layers) * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return per_token * self.block_size
+
+    def _kvcache_blocks_for_budget(self, config: Config) -> int:
+        if self.device.type == "cuda":
+            # What is left of this process's share of the GPU after the model and the
+            # activations of the largest prefill step; other processes' memory is not ours.
+            torch.cuda.reset_peak_memory_stats()
+            num_tokens = config.max_num_batched_tokens or max(8192, config.max_model_len)
+            self.warmup(num_tokens, min(config.max_model_len, num_tokens))
+            total = torch.cuda.mem_get_info()[1]
+            budget = total * config.gpu_memory_utilization - torch.cuda.max_memory_allocated()
+        else:
+            # Enough for every sequence at full length, within a fixed RAM budget.
+            needed = config.max_num_seqs * -(-config.max_model_len // self.block_size) * self._kvcache_block_bytes()
+            budget = min(CPU_KVCACHE_BYTES, needed)
+        num_blocks = int(budget) // self._kvcache_block_bytes()
+        if num_blocks <= 0:
+            raise ValueError("no memory is left for the KV cache: raise gpu_memory_utilization or lower "
+                             "max_num_batched_tokens")
+        return num_blocks
+
+    def _allocate_kvcache(self) -> None:
+        a = self.attention_layers[0]
+        # Zeroed, not empty: attention masks unused slots, and 0 * NaN garbage would still be NaN.
+        self.kv_cache = torch.zeros(2, len(self.attention_layers), self.num_kvcache_blocks, self.block_size,
+                                    a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    @torch.inference_mode()
+    def warmup(self, num_tokens: int, seq_len: int) -> None:
+        """One forward over the largest prefill step, to measure its peak activation memory."""
+        num_seqs = num_tokens // seq_len
+        cu = torch.arange(0, num_seqs + 1, dtype=torch.int32, device=self.device) * seq_len
+        ctx = Context(True, torch.full((num_seqs * seq_len,), -1, dtype=torch.int64, device=self.device),
+                      cu, cu, seq_len, seq_len)
+        input_ids = torch.zeros(num_seqs * seq_len, dtype=torch.int64, device=self.device)
+        positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+        self.model.compute_logits(self.model(input_ids, positions, ctx)[cu[1:] - 1])
+
+    # -- per-step inputs ------------------------------------------------------------------------
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Cache slots of the sequence's tokens ``start..end-1``."""
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(seq.block_table) for seq in seqs)
+        # Padding entries point at block 0: never read past a sequence's length, always in range.
+        return self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
+
+    def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+
+    def prepare_prefill(self, seqs: list[Sequence]):
+        input_ids, positions, slots, cu_q, cu_k = [], [], [], [0], [0]
+        for seq in seqs:
+            start = seq.num_cached_tokens  # the cached prefix is read back, not recomputed
+            input_ids += seq.token_ids[start:]
+            positions += range(start, seq.num_tokens)
+            slots += self._slots(seq, start, seq.num_tokens)
+            cu_q.append(cu_q[-1] + seq.num_tokens - start)
+            cu_k.append(cu_k[-1] + seq.num_tokens)
+        has_cached_prefix = any(seq.num_cached_tokens for seq in seqs)
+        ctx = Context(
+            is_prefill=True, slot_mapping=self._tensor(slots, torch.int64),
+            cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32),
+            max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
+            max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
+            block_tables=self._block_tables(seqs) if has_cached_prefix else None)
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        # Each sequence feeds its newest token, whose K/V is not in the cache yet.
+        input_ids = [seq.token_ids[-1] for seq in seqs]
+        positions = [seq.num_tokens - 1 for seq in seqs]
+        slots = [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
+                 for seq, p in zip(seqs, positions)]
+        ctx = Context(is_prefill=False, slot_mapping=self._tensor(slots, torch.int64),
+                      context_lens=self._tensor([seq.num_tokens for seq in seqs], torch.int32),
+                      block_tables=self._block_tables(seqs))
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx
+
+    # -- the step -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        input_ids, positions, ctx = (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
+        hidden = self.model(input_ids, positions, ctx)
+        if is_prefill:
+            hidden = hidden[ctx.cu_seqlens_q[1:] - 1]  # only each sequence's last token samples
+        logits = self.model.compute_logits(hidden)
+        params = [seq.sampling_params for seq in seqs]
+        token_ids = self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],
+                                 [p.top_p for p in params], [p.seed for p in params],
+                                 [seq.num_tokens for seq in seqs])
+        return token_ids.tolist()

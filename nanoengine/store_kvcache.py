@@ -1,0 +1,87 @@
+"""Write this step's new keys and values into the paged KV cache.
+
+Where it sits: each attention layer calls `store_kvcache` once per step, after the qkv projection
+and rotary embedding and before attending, so that the attention kernel finds this step's tokens
+in the same paged cache as all earlier ones. The scheduler has already chosen where every token
+goes: `slot_mapping[i] = block_id * block_size + offset` names the cache row of token i, and -1
+marks a padding row (a batch padded up to a captured CUDA-graph size) that must write nothing.
+
+One contract, two kernels: `store_kvcache_torch` is plain indexing, for the CPU;
+`store_kvcache_triton` is one Triton program per token, for the GPU. Both write the same bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional: a CPU-only install uses the torch path only.
+    triton = None
+
+
+def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Copy key/value `[num_tokens, num_kv_heads, head_dim]` (any strides) into the caches
+    `[num_blocks, block_size, num_kv_heads, head_dim]` at the rows named by `slot_mapping`.
+
+    Dropping the padding rows with a boolean mask gives a tensor whose size depends on the data:
+    free on the CPU, but on a GPU it costs a device-to-host sync and cannot be graph-captured,
+    which is one reason the GPU path uses the Triton kernel instead.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[valid])
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[valid])
+
+
+def _store_kvcache_kernel(key_ptr, key_stride_t, key_stride_h, key_stride_d,
+                          value_ptr, value_stride_t, value_stride_h, value_stride_d,
+                          k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                          HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    # int64 so that token * stride and slot * ROW cannot overflow on a large cache.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    # One token's ROW = num_kv_heads * head_dim values; tl.arange needs a power of two, so
+    # round up and mask (e.g. 3 heads * 64 = 192 -> 256).
+    offs = tl.arange(0, BLOCK)
+    mask = offs < ROW
+    head = offs // HEAD_DIM
+    dim = offs % HEAD_DIM
+    key = tl.load(key_ptr + token * key_stride_t + head * key_stride_h + dim * key_stride_d,
+                  mask=mask)
+    value = tl.load(value_ptr + token * value_stride_t + head * value_stride_h
+                    + dim * value_stride_d, mask=mask)
+    tl.store(k_cache_ptr + slot * ROW + offs, key, mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + offs, value, mask=mask)
+
+
+@functools.cache
+def _jitted_kernel():
+    """Jit on first use rather than at import: `triton.jit` decides at decoration time whether
+    to compile or to interpret (TRITON_INTERPRET), so a CPU test can still choose the
+    interpreter after this module was imported."""
+    if triton is None:
+        raise ImportError("store_kvcache_triton needs triton; install it or use "
+                          "store_kvcache_torch")
+    return triton.jit(_store_kvcache_kernel)
+
+
+def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Same contract as `store_kvcache_torch`, with no host sync: padding rows are skipped
+    inside the kernel, so the launch can be captured in a CUDA graph."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape and slot_mapping.shape == (num_tokens,)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim)
+    row = num_kv_heads * head_dim
+    _jitted_kernel()[(num_tokens,)](
+        key, *key.stride(), value, *value.stride(), k_cache, v_cache, slot_mapping,
+        HEAD_DIM=head_dim, ROW=row, BLOCK=triton.next_power_of_2(row))

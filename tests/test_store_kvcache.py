@@ -1,0 +1,110 @@
+"""store_kvcache: both kernels write exactly the bytes the reference writes, and nothing else.
+
+Without a GPU the Triton kernel runs under Triton's interpreter. `triton.jit` reads
+TRITON_INTERPRET when it wraps a function, and nanoengine wraps its kernel on first call, so
+setting the variable here, at collection time, is early enough whatever imported nanoengine
+first. It stays set for the rest of the session: harmless on a machine without a GPU, where
+compiled Triton cannot run anyway. With a GPU we leave it alone and test the compiled kernel.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from nanoengine.store_kvcache import store_kvcache_torch, store_kvcache_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NUM_BLOCKS, BLOCK_SIZE, NUM_TOKENS = 6, 8, 24  # small: the interpreter is slow
+
+
+@pytest.fixture
+def store_triton():
+    pytest.importorskip("triton")
+    return store_kvcache_triton
+
+
+def make_case(num_kv_heads: int, head_dim: int, dtype: torch.dtype, layout: str = "contiguous",
+              slot_dtype: torch.dtype = torch.int32, seed: int = 0):
+    """Random caches, key/value in the given memory layout, and a slot mapping to distinct
+    slots in which every fifth token is a padding row (-1)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:  # cast before slicing, so views stay views
+        return torch.randn(shape, generator=gen).to(DEVICE, dtype)
+
+    shape = (NUM_TOKENS, num_kv_heads, head_dim)
+    if layout == "contiguous":
+        key, value = rand(*shape), rand(*shape)
+    elif layout == "fused_qkv":  # key/value sliced out of a qkv projection output, as in a model
+        num_q_heads = 2 * num_kv_heads
+        qkv = rand(NUM_TOKENS, (num_q_heads + 2 * num_kv_heads) * head_dim)
+        _, key, value = qkv.split([num_q_heads * head_dim, *2 * [num_kv_heads * head_dim]], -1)
+        key, value = key.view(shape), value.view(shape)
+    elif layout == "transposed":  # head_dim is not the fastest-moving axis
+        key = rand(NUM_TOKENS, head_dim, num_kv_heads).transpose(1, 2)
+        value = rand(num_kv_heads, NUM_TOKENS, head_dim).transpose(0, 1)
+    assert layout == "contiguous" or not (key.is_contiguous() or value.is_contiguous())
+    cache_shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim)
+    slot_mapping = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:NUM_TOKENS]
+    slot_mapping[::5] = -1
+    return key, value, rand(*cache_shape), rand(*cache_shape), slot_mapping.to(DEVICE, slot_dtype)
+
+
+def store_with_python_loop(key, value, k_cache, v_cache, slot_mapping) -> None:
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            k_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] = key[token]
+            v_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] = value[token]
+
+
+def assert_triton_matches_torch(store_triton, case) -> None:
+    key, value, k_cache, v_cache, slot_mapping = case
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    store_kvcache_torch(key, value, expected_k, expected_v, slot_mapping)
+    store_triton(key, value, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("layout", ["contiguous", "fused_qkv", "transposed"])
+def test_torch_store_matches_python_loop_reference(layout, slot_dtype):
+    key, value, k_cache, v_cache, slot_mapping = make_case(2, 16, torch.float32, layout, slot_dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    store_with_python_loop(key, value, expected_k, expected_v, slot_mapping)
+    store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_store_matches_torch_for_non_power_of_two_heads(store_triton, dtype):
+    assert_triton_matches_torch(store_triton, make_case(3, 64, dtype))  # row of 192 values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_store_matches_torch_for_power_of_two_heads(store_triton, dtype):
+    assert_triton_matches_torch(store_triton, make_case(4, 32, dtype, slot_dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["fused_qkv", "transposed"])
+def test_triton_store_matches_torch_for_non_contiguous_key_value(store_triton, layout, dtype):
+    assert_triton_matches_torch(store_triton, make_case(3, 64, dtype, layout))
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_padding_rows_write_nothing(request, kernel):
+    store = store_kvcache_torch if kernel == "torch" else request.getfixturevalue("store_triton")
+    key, value, k_cache, v_cache, slot_mapping = make_case(3, 64, torch.float32)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    store(key, value, k_cache, v_cache, torch.full_like(slot_mapping, -1))
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
+    # With real slots too, only the named rows change: padded tokens land nowhere.
+    store(key, value, k_cache, v_cache, slot_mapping)
+    untouched = torch.ones(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool, device=DEVICE)
+    untouched[slot_mapping[slot_mapping >= 0].long()] = False
+    assert torch.equal(k_cache.flatten(0, 1)[untouched], before_k.flatten(0, 1)[untouched])
+    assert torch.equal(v_cache.flatten(0, 1)[untouched], before_v.flatten(0, 1)[untouched])

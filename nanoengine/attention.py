@@ -66,16 +66,23 @@ def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_tabl
     of the blocks in block_table[b]. All sequences are gathered at once and padded to the longest
     block table; the mask hides the padding. A row of length 0 (a padded batch row) gives zeros.
     """
-    batch, seqlen_q = q.shape[:2]
-    k = k_cache[block_table].flatten(1, 2)  # [batch, max_blocks * block_size, Hk, D]
-    v = v_cache[block_table].flatten(1, 2)
-    key_pos = torch.arange(k.shape[1], device=q.device)
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    scale = softmax_scale or head_dim ** -0.5
+    # Gather each sequence's blocks once: [batch, Hk, keys, D], keys = max_blocks * block_size.
+    k = k_cache[block_table].flatten(1, 2).transpose(1, 2)
+    v = v_cache[block_table].flatten(1, 2).transpose(1, 2)
+    # The query heads sharing a kv head become rows of one matmul (GQA without repeating K/V).
+    q = q.view(batch, seqlen_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    scores = torch.matmul(q.reshape(batch, num_kv_heads, seqlen_q * group, head_dim), k.transpose(2, 3))
     # Query j of sequence b sits at position cache_seqlens[b] - seqlen_q + j.
     limit = cache_seqlens[:, None] - seqlen_q + (torch.arange(seqlen_q, device=q.device) if causal else seqlen_q - 1)
-    mask = key_pos[None, None, :] <= limit[:, :, None]  # [batch, seqlen_q, keys]
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None],
-        scale=softmax_scale, enable_gqa=True).transpose(1, 2)
+    mask = torch.arange(k.shape[2], device=q.device) <= limit[:, :, None]  # [batch, seqlen_q, keys]
+    mask = mask[:, None, :, None, :].expand(-1, -1, -1, group, -1).reshape(batch, 1, seqlen_q * group, -1)
+    probs = (scores.float() * scale).masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    out = torch.matmul(probs.to(v.dtype), v).view(batch, num_kv_heads, seqlen_q, group, head_dim)
+    out = out.permute(0, 2, 1, 3, 4).reshape(batch, seqlen_q, num_heads, head_dim)
     return out.masked_fill((cache_seqlens == 0)[:, None, None, None], 0)  # flash-attn: empty rows give 0
 
 

@@ -49,6 +49,8 @@ class Config:
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.dtype!r}")
+        if self.torch_device.type == "cuda" and self.dtype == "float32":
+            raise ValueError("dtype='float32' cannot run on CUDA: flash-attn takes float16 or bfloat16")
 
     @property
     def torch_device(self) -> torch.device:

@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 from nanoengine.attention import Attention, get_backend
 from nanoengine.config import Config
 from nanoengine.context import Context
+from nanoengine.graph_runner import DecodeGraphRunner
 from nanoengine.loader import load_weights
 from nanoengine.model import CausalLM
 from nanoengine.sampler import Sampler
@@ -19,13 +20,19 @@ from nanoengine.sequence import Sequence
 CPU_KVCACHE_BYTES = 1 << 30  # the RAM budget for the KV cache on CPU
 
 
+def kvcache_block_size(requested: int | None, device: torch.device) -> int:
+    """The KV block size: 256 on CUDA (flash-attn's paged KV needs pages of a multiple of 256), 16 on CPU."""
+    block_size = requested or (256 if device.type == "cuda" else 16)
+    if device.type == "cuda" and block_size % 256:
+        raise ValueError(f"kvcache_block_size={block_size}: flash-attn's paged KV cache on CUDA needs a "
+                         "multiple of 256 (leave it unset for 256, or pass device='cpu')")
+    return block_size
+
+
 class ModelRunner:
     def __init__(self, config: Config, hf_config: PretrainedConfig, model_path: str):
         self.device, self.dtype = config.torch_device, config.torch_dtype
-        self.block_size = config.kvcache_block_size or (256 if self.device.type == "cuda" else 16)
-        if self.device.type == "cuda" and self.block_size % 256:
-            raise ValueError(f"kvcache_block_size={self.block_size}: flash-attn's paged KV cache on CUDA "
-                             "needs a multiple of 256")
+        self.block_size = kvcache_block_size(config.kvcache_block_size, self.device)
         with torch.device(self.device):
             self.model = CausalLM(hf_config, max_position=config.max_model_len)
         load_weights(self.model, model_path)
@@ -36,7 +43,13 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = backend
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._kvcache_blocks_for_budget(config)
-        self._allocate_kvcache()
+        self._allocate_kvcache(self.num_kvcache_blocks)
+        # Decode replays CUDA graphs captured over the cache just allocated; prefill stays eager.
+        self.graph_runner = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graph_runner = DecodeGraphRunner(
+                self.model, config.max_num_seqs, -(-config.max_model_len // self.block_size), hf_config.hidden_size,
+                self.device, self.dtype, use_cuda_graphs=True)
 
     def _kvcache_block_bytes(self) -> int:
         a = self.attention_layers[0]
@@ -45,11 +58,15 @@ class ModelRunner:
 
     def _kvcache_blocks_for_budget(self, config: Config) -> int:
         if self.device.type == "cuda":
-            # What is left of this process's share of the GPU after the model and the
-            # activations of the largest prefill step; other processes' memory is not ours.
+            # Our share of the GPU (a fraction of its total memory) minus this process's own peak:
+            # the weights plus the activations of the largest prefill step. Other processes'
+            # memory is not ours to count; the 1 - gpu_memory_utilization left over covers what
+            # PyTorch's allocator does not see (the CUDA context, library workspaces).
+            self._allocate_kvcache(1)  # a stand-in of the right shape; the warm-up's slots are -1
             torch.cuda.reset_peak_memory_stats()
             num_tokens = config.max_num_batched_tokens or max(8192, config.max_model_len)
             self.warmup(num_tokens, min(config.max_model_len, num_tokens))
+            torch.cuda.empty_cache()  # hand the warm-up's activations back before the cache is allocated
             total = torch.cuda.mem_get_info()[1]
             budget = total * config.gpu_memory_utilization - torch.cuda.max_memory_allocated()
         else:
@@ -62,10 +79,12 @@ class ModelRunner:
                              "max_num_batched_tokens")
         return num_blocks
 
-    def _allocate_kvcache(self) -> None:
+    def _allocate_kvcache(self, num_blocks: int) -> None:
+        """One tensor for all layers; each layer sees ``[num_blocks, block_size, num_kv_heads, head_dim]``
+        for K and for V, the layout flash-attn's paged KV cache reads."""
         a = self.attention_layers[0]
         # Zeroed, not empty: attention masks unused slots, and 0 * NaN garbage would still be NaN.
-        self.kv_cache = torch.zeros(2, len(self.attention_layers), self.num_kvcache_blocks, self.block_size,
+        self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
                                     a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -130,7 +149,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         input_ids, positions, ctx = (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
-        hidden = self.model(input_ids, positions, ctx)
+        if is_prefill or self.graph_runner is None:
+            hidden = self.model(input_ids, positions, ctx)
+        else:
+            hidden = self.graph_runner.run(input_ids, positions, ctx)
         if is_prefill:
             hidden = hidden[ctx.cu_seqlens_q[1:] - 1]  # only each sequence's last token samples
         logits = self.model.compute_logits(hidden)

@@ -2,9 +2,10 @@
 
 Greedy rows (temperature 0) take the argmax. The others are scaled by their temperature, cut
 to their top-k, then to their nucleus (the smallest set of most likely tokens whose probability
-reaches top_p; the most likely token always stays), and sampled with the exponential race:
-``argmax(p / E)`` with ``E ~ Exp(1)`` picks token i with probability p_i, with no cumsum search.
-A seeded row draws its noise from its own generator, keyed by the seed and the token's
+reaches top_p; the most likely token always stays), and sampled by inverting the cumulative
+distribution with one uniform number per row. (Drawing a noise value per vocabulary entry, as
+the exponential-race trick does, costs more than the whole decode matmul budget on a CPU.)
+A seeded row draws its number from its own generator, keyed by the seed and the token's
 position, so it samples the same tokens whatever else is in the batch, and again after a
 preemption's recompute.
 """
@@ -24,13 +25,16 @@ class Sampler:
         logits = logits / temps.clamp_min(1e-6)[:, None]
         if any(k != -1 for k in top_ks) or any(p < 1 for p in top_ps):
             logits = self._top_k_top_p(logits, top_ks, top_ps)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
+        uniform = torch.rand(len(seeds))
         for row, seed in enumerate(seeds):
             if seed is not None:
                 gen = torch.Generator().manual_seed(hash((seed, positions[row])) & 0x7FFF_FFFF_FFFF_FFFF)
-                noise[row] = torch.empty(probs.shape[1]).exponential_(generator=gen).to(device)
-        sampled = (probs / noise).argmax(dim=-1)
+                uniform[row] = torch.rand(1, generator=gen)
+        # Token i is picked when cdf[i-1] <= u < cdf[i]: a filtered token (zero mass) never is.
+        total = cdf[:, -1:]
+        u = torch.minimum(uniform.to(device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        sampled = torch.searchsorted(cdf, u, right=True).squeeze(1)
         return torch.where(temps == 0, greedy, sampled)
 
     @staticmethod

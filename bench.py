@@ -1,0 +1,122 @@
+"""Offline throughput benchmark in the style of nano-vllm's bench.py.
+
+Random token-id prompts from a seeded generator, input and output lengths uniform in their
+ranges, EOS ignored, every request submitted at once. Throughput is output tokens over the wall
+time of ``generate`` (model loading excluded). ``--compare-hf`` runs HF transformers' ``generate``
+on the same requests, in the same process and dtype, for the ratio.
+"""
+
+import argparse
+import json
+import os
+import random
+import resource
+import time
+
+import torch
+
+from nanoengine import LLM, SamplingParams
+
+
+def make_requests(args, vocab_size: int):
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
+               for _ in range(args.num_seqs)]
+    output_lens = [rng.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_seqs)]
+    return prompts, output_lens
+
+
+def hf_throughput(llm: LLM, prompts, output_lens, dtype: torch.dtype) -> tuple[float, int]:
+    """HF generate in static, left-padded batches at its fastest batch size among 8, 32 and 64."""
+    from transformers import AutoModelForCausalLM
+    from nanoengine.loader import resolve_model_path
+    path = resolve_model_path(llm.config.model)
+    kwargs = {"gguf_file": os.path.basename(path)} if path.endswith(".gguf") else {}
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) if kwargs else path, dtype=dtype, **kwargs)
+    model.eval()
+    pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
+
+    def run(batch_prompts, batch_lens, max_new_tokens=None) -> tuple[int, float]:
+        width = max(map(len, batch_prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts])
+        new = max_new_tokens or max(batch_lens)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=pad)
+        return sum(min(n, new) for n in batch_lens), time.perf_counter() - start
+
+    probe = {}
+    for bs in (8, 32, 64):  # a short probe of each batch size picks HF's best
+        tokens, seconds = run(prompts[:bs], output_lens[:bs], max_new_tokens=16)
+        probe[bs] = tokens / seconds
+    best = max(probe, key=probe.get)
+    total_tokens, total_seconds = 0, 0.0
+    for i in range(0, len(prompts), best):
+        tokens, seconds = run(prompts[i:i + best], output_lens[i:i + best])
+        total_tokens, total_seconds = total_tokens + tokens, total_seconds + seconds
+    return total_tokens / total_seconds, best
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)")
+    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--min-input-len", type=int, default=32)
+    parser.add_argument("--max-input-len", type=int, default=256)
+    parser.add_argument("--min-output-len", type=int, default=32)
+    parser.add_argument("--max-output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the same requests")
+    parser.add_argument("--preset", choices=["nano-vllm"], help="nano-vllm's workload: 256 seqs, in/out 100..1024")
+    args = parser.parse_args()
+    if args.preset == "nano-vllm":
+        args.num_seqs, args.min_input_len, args.max_input_len = 256, 100, 1024
+        args.min_output_len, args.max_output_len = 100, 1024
+    for lo, hi in (("min_input_len", "max_input_len"), ("min_output_len", "max_output_len")):
+        if not 1 <= getattr(args, lo) <= getattr(args, hi):
+            parser.error(f"--{lo.replace('_', '-')} must be >= 1 and <= --{hi.replace('_', '-')}")
+
+    llm = LLM(args.model, dtype=args.dtype, enforce_eager=args.enforce_eager,
+              max_model_len=args.max_input_len + args.max_output_len)
+    prompts, output_lens = make_requests(args, llm.vocab_size)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    before = llm.stats()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    s = {k: v - before[k] for k, v in llm.stats().items() if k in before and k.endswith(("tokens", "seconds", "steps", "preemptions"))}
+    total = sum(output_lens)
+    results = {
+        "dtype": str(llm.model_runner.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "prefill_tok_per_s": s["prefill_tokens"] / s["prefill_seconds"],
+        "decode_tok_per_s": s["decode_tokens"] / s["decode_seconds"],
+        "mean_decode_batch": s["decode_tokens"] / max(s["decode_steps"], 1),
+        "num_preemptions": s["num_preemptions"],
+        "prefix_cache_hit_rate": s["prefix_cache_hit_tokens"] / max(s["prompt_tokens"], 1),
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "total_tokens": total, "seconds": elapsed, "throughput_tok_per_s": total / elapsed,
+    }
+    print(f"dtype: {results['dtype']}, threads: {results['threads']}, device: {llm.model_runner.device}")
+    print(f"Prefill: {results['prefill_tok_per_s']:.2f}tok/s, Decode: {results['decode_tok_per_s']:.2f}tok/s, "
+          f"mean decode batch: {results['mean_decode_batch']:.1f}")
+    print(f"Preemptions: {results['num_preemptions']}, prefix-cache hit rate: {results['prefix_cache_hit_rate']:.1%}, "
+          f"peak RSS: {results['peak_rss_gib']:.2f}GiB")
+    if args.compare_hf:
+        hf, batch = hf_throughput(llm, prompts, output_lens, llm.model_runner.dtype)
+        results.update(hf_throughput_tok_per_s=hf, hf_batch_size=batch, speedup_vs_hf=results["throughput_tok_per_s"] / hf)
+        print(f"HF transformers (batch {batch}): {hf:.2f}tok/s; nanoengine is {results['speedup_vs_hf']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    print(f"Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s")
+
+
+if __name__ == "__main__":
+    main()

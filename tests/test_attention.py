@@ -1,0 +1,180 @@
+"""Attention kernels: the torch reference functions against dense causal attention, and flash-attn
+against the torch reference.
+
+The oracle is the textbook formula, one sequence at a time: softmax(Q K^T * scale + causal mask) V
+with each KV head repeated for its group of query heads, in float64. The causal mask is aligned
+to the bottom right, as flash-attn's is: with Lq queries over Lk keys, query i sits at position
+Lk - Lq + i. The paged cases scatter each sequence over shuffled blocks, so a kernel that read
+blocks in physical order, or past a sequence's length, would be caught.
+"""
+
+import pytest
+import torch
+
+from nanoengine.attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
+from nanoengine.model_runner import kvcache_block_size
+
+D = 16
+SCALE = D ** -0.5
+GQA = [(4, 4), (4, 2), (4, 1)]  # (query heads, kv heads)
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [Lq, H, D], k and v [Lk, Hk, D] -> [Lq, H, D], computed naively in float64."""
+    lq, num_heads = q.shape[:2]
+    lk, num_kv_heads = k.shape[:2]
+    group = num_heads // num_kv_heads
+    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
+    allowed = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+    scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def rand(gen: torch.Generator, *shape: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(shape, generator=gen).to(device, dtype)
+
+
+def paged_cache(keys: list[torch.Tensor], values: list[torch.Tensor], block_size: int, gen: torch.Generator,
+                extra_columns: int = 0):
+    """Scatter each sequence's K/V over shuffled physical blocks; returns the caches
+    ``[num_blocks, block_size, Hk, D]`` and an int32 block table padded with block 0, as the
+    model runner pads it (``extra_columns`` widens it further, as the graph runner's buffer is)."""
+    num_kv_heads, device, dtype = keys[0].shape[1], keys[0].device, keys[0].dtype
+    needed = [-(-len(k) // block_size) for k in keys]
+    num_blocks = sum(needed) + 2  # a few blocks no sequence owns
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    k_cache = rand(gen, num_blocks, block_size, num_kv_heads, D, device=device, dtype=dtype)  # garbage elsewhere
+    v_cache = rand(gen, num_blocks, block_size, num_kv_heads, D, device=device, dtype=dtype)
+    width = max(needed) + extra_columns
+    table = torch.zeros(len(keys), width, dtype=torch.int32)
+    for i, (k, v) in enumerate(zip(keys, values)):
+        blocks = [order.pop() for _ in range(needed[i])]
+        table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        for pos in range(len(k)):
+            k_cache[blocks[pos // block_size], pos % block_size] = k[pos]
+            v_cache[blocks[pos // block_size], pos % block_size] = v[pos]
+    return k_cache, v_cache, table.to(device)
+
+
+def cu_seqlens(lengths: list[int], device) -> torch.Tensor:
+    return torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+
+
+def varlen_case(lengths: list[tuple[int, int]], heads: tuple[int, int], block_size: int | None,
+                device="cpu", dtype=torch.float32, seed: int = 0):
+    """A packed prefill: sequence i has ``cached`` tokens already in the cache and ``new`` queries.
+    Without a block size (no cached prefix) K/V are packed like q; with one, they come paged."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads = heads
+    keys = [rand(gen, c + n, num_kv_heads, D, device=device, dtype=dtype) for c, n in lengths]
+    values = [rand(gen, c + n, num_kv_heads, D, device=device, dtype=dtype) for c, n in lengths]
+    queries = [rand(gen, n, num_heads, D, device=device, dtype=dtype) for _, n in lengths]
+    kwargs = dict(cu_seqlens_q=cu_seqlens([n for _, n in lengths], device),
+                  cu_seqlens_k=cu_seqlens([c + n for c, n in lengths], device),
+                  max_seqlen_q=max(n for _, n in lengths), max_seqlen_k=max(c + n for c, n in lengths),
+                  softmax_scale=SCALE, causal=True)
+    if block_size is None:
+        k, v = torch.cat(keys), torch.cat(values)
+    else:
+        k, v, kwargs["block_table"] = paged_cache(keys, values, block_size, gen)
+    expected = torch.cat([dense_causal_attention(*qkv) for qkv in zip(queries, keys, values)])
+    return (torch.cat(queries), k, v), kwargs, expected
+
+
+def decode_case(cache_seqlens: list[int], heads: tuple[int, int], block_size: int, device="cpu",
+                dtype=torch.float32, extra_columns: int = 0, seed: int = 0):
+    """One query per sequence over ``cache_seqlens[b]`` cached tokens (this step's included)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads = heads
+    keys = [rand(gen, n, num_kv_heads, D, device=device, dtype=dtype) for n in cache_seqlens]
+    values = [rand(gen, n, num_kv_heads, D, device=device, dtype=dtype) for n in cache_seqlens]
+    q = rand(gen, len(cache_seqlens), 1, num_heads, D, device=device, dtype=dtype)
+    k_cache, v_cache, table = paged_cache(keys, values, block_size, gen, extra_columns)
+    kwargs = dict(cache_seqlens=torch.tensor(cache_seqlens, dtype=torch.int32, device=device), block_table=table,
+                  softmax_scale=SCALE, causal=True)
+    # A row with nothing in its cache (a padded batch row) gives zeros, as in flash-attn.
+    expected = torch.stack([dense_causal_attention(q[b], k, v) if len(k)
+                            else torch.zeros_like(q[b], dtype=torch.float64)
+                            for b, (k, v) in enumerate(zip(keys, values))])
+    return (q, k_cache, v_cache), kwargs, expected
+
+
+MIXED = [(0, 1), (0, 7), (0, 16), (0, 33)]
+WITH_PREFIX = [(0, 5), (8, 3), (13, 1), (32, 20), (4, 4)]
+DECODE_LENGTHS = [1, 5, 17, 0, 40, 16]
+
+
+@pytest.mark.parametrize("heads", GQA)
+def test_varlen_packed_matches_dense_causal_per_sequence(heads):
+    args, kwargs, expected = varlen_case(MIXED, heads, block_size=None)
+    out = flash_attn_varlen_func_torch(*args, **kwargs)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 256])
+@pytest.mark.parametrize("heads", GQA)
+def test_varlen_with_cached_prefix_reads_paged_cache(block_size, heads):
+    args, kwargs, expected = varlen_case(WITH_PREFIX, heads, block_size)
+    out = flash_attn_varlen_func_torch(*args, **kwargs)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 256])
+@pytest.mark.parametrize("heads", GQA)
+def test_decode_with_kvcache_matches_dense_and_zeroes_empty_rows(block_size, heads):
+    args, kwargs, expected = decode_case(DECODE_LENGTHS, heads, block_size)
+    out = flash_attn_with_kvcache_torch(*args, **kwargs)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+
+
+def test_decode_ignores_block_table_columns_past_each_length():
+    """The graph runner's block table is as wide as the longest possible sequence."""
+    args, kwargs, expected = decode_case(DECODE_LENGTHS, (4, 2), block_size=4, extra_columns=5)
+    out = flash_attn_with_kvcache_torch(*args, **kwargs)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cuda_block_size_must_be_a_multiple_of_256():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert kvcache_block_size(None, cuda) == 256 and kvcache_block_size(512, cuda) == 512
+    assert kvcache_block_size(None, cpu) == 16 and kvcache_block_size(4, cpu) == 4
+    with pytest.raises(ValueError, match="multiple of 256"):
+        kvcache_block_size(16, cuda)
+
+
+# -- flash-attn itself, on a GPU --------------------------------------------------------------------
+
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+@pytest.fixture
+def flash_attn():
+    return pytest.importorskip("flash_attn")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("heads", GQA)
+def test_flash_attn_varlen_matches_torch_reference(flash_attn, heads):
+    args, kwargs, _ = varlen_case(MIXED, heads, None, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(flash_attn.flash_attn_varlen_func(*args, **kwargs),
+                               flash_attn_varlen_func_torch(*args, **kwargs), **BF16_TOL)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("heads", GQA)
+def test_flash_attn_varlen_with_paged_prefix_matches_torch_reference(flash_attn, heads):
+    lengths = [(0, 5), (256, 3), (300, 1), (512, 200)]
+    args, kwargs, _ = varlen_case(lengths, heads, 256, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(flash_attn.flash_attn_varlen_func(*args, **kwargs),
+                               flash_attn_varlen_func_torch(*args, **kwargs), **BF16_TOL)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("heads", GQA)
+def test_flash_attn_with_kvcache_matches_torch_reference(flash_attn, heads):
+    args, kwargs, _ = decode_case([1, 255, 256, 0, 700], heads, 256, device="cuda", dtype=torch.bfloat16,
+                                  extra_columns=2)
+    torch.testing.assert_close(flash_attn.flash_attn_with_kvcache(*args, **kwargs),
+                               flash_attn_with_kvcache_torch(*args, **kwargs), **BF16_TOL)

@@ -1,0 +1,63 @@
+"""The sampler: greedy, temperature, top-k, the top-p nucleus, and per-request seeds."""
+
+import torch
+
+from nanoengine.sampler import Sampler
+
+
+def sample(logits, temperature=1.0, top_k=-1, top_p=1.0, seed=None, position=0):
+    n = logits.shape[0]
+    return Sampler()(logits, [temperature] * n, [top_k] * n, [top_p] * n, [seed] * n, [position] * n)
+
+
+def test_greedy_takes_the_argmax():
+    logits = torch.randn(8, 100)
+    assert torch.equal(sample(logits, temperature=0), logits.argmax(-1))
+
+
+def test_top_k_one_is_greedy_at_any_temperature():
+    logits = torch.randn(8, 100)
+    assert torch.equal(sample(logits, temperature=5.0, top_k=1), logits.argmax(-1))
+
+
+def test_top_k_samples_only_the_k_most_likely():
+    logits = torch.randn(1, 50).repeat(2000, 1)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    assert set(sample(logits, top_k=3).tolist()) == allowed
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(4000, 1)
+    # 0.5 < 0.7, 0.5 + 0.3 >= 0.7: the nucleus is the first two tokens.
+    assert set(sample(logits, top_p=0.7).tolist()) == {0, 1}
+    # exactly reaching p: 0.5 + 0.3 = 0.8 is enough, the third token stays out.
+    assert set(sample(logits, top_p=0.8).tolist()) == {0, 1}
+    # a tiny p still keeps the most likely token
+    assert set(sample(logits, top_p=1e-6).tolist()) == {0}
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    counts = torch.bincount(sample(probs.log().repeat(20000, 1)), minlength=3) / 20000
+    assert torch.allclose(counts, probs, atol=0.02)
+
+
+def test_temperature_sharpens_the_distribution():
+    logits = torch.tensor([[1.0, 0.0]]).repeat(5000, 1)
+    hot = (sample(logits, temperature=2.0) == 0).float().mean()
+    cold = (sample(logits, temperature=0.25) == 0).float().mean()
+    assert cold > 0.95 and 0.55 < hot < 0.70  # softmax([0.5, 0]) = 0.62; softmax([4, 0]) = 0.98
+
+
+def test_seeded_row_is_independent_of_the_rest_of_the_batch():
+    torch.manual_seed(0)
+    row = torch.randn(1, 1000)
+    alone = Sampler()(row, [1.0], [-1], [1.0], [42], [7])
+    batch = torch.cat([torch.randn(3, 1000), row, torch.randn(4, 1000)])
+    together = Sampler()(batch, [1.0] * 8, [-1] * 8, [0.9, 1, 1, 1.0, 1, 1, 1, 1], [None, 1, None, 42, 5, None, 3, 2],
+                         [0, 1, 2, 7, 4, 5, 6, 7])
+    assert together[3] == alone[0]
+    # a different position draws different noise: the same seed does not repeat one token forever
+    draws = {int(Sampler()(torch.zeros(1, 1000), [1.0], [-1], [1.0], [42], [p])[0]) for p in range(20)}
+    assert len(draws) > 10

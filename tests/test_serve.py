@@ -1,0 +1,233 @@
+"""The OpenAI-compatible server, run for real: a subprocess on 127.0.0.1 serving a tiny model,
+driven by the official openai client (and httpx for raw HTTP). Greedy outputs are checked
+against the offline ``LLM.generate`` on the same weights."""
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from nanoengine import LLM, SamplingParams  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = [f"{start} {topic}" for start in ("Tell me about", "The history of", "Why do people like", "A poem on")
+           for topic in ("the sea", "mountains", "coffee", "trains")]  # 16 distinct prompts
+GREEDY = dict(temperature=0, max_tokens=24)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("serve") / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "nanoengine.serve", "--model", tiny_models["llama"],
+                             "--port", str(port), "--dtype", "float32"], cwd=REPO_ROOT, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                pytest.fail(f"server did not come up (exit code {proc.poll()}):\n{log.read()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(tiny_models["llama"], dtype="float32")
+
+
+def offline(llm, prompts, **params) -> list[dict]:
+    return llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
+
+
+def chat_prompt_ids(llm, messages) -> list[int]:
+    text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def wait_for_idle_stats(server, timeout: float = 10) -> dict:
+    deadline = time.monotonic() + timeout
+    while (stats := httpx.get(f"{server}/stats", timeout=5).json())["kvcache_blocks_in_use"] != 0:
+        assert time.monotonic() < deadline, f"KV blocks still in use: {stats}"
+        time.sleep(0.05)
+    return stats
+
+
+def test_incremental_text_never_splits_a_character_or_leaks_a_stop_string(tokenizer):
+    from nanoengine.serve import IncrementalText
+    token_ids = tokenizer.encode("héllo 🦙 wörld ✓ 日本語")  # the emoji and CJK span several tokens
+    text = IncrementalText(tokenizer, [])
+    deltas = [text.add([t], finished=False) for t in token_ids] + [text.add([], finished=True)]
+    assert "".join(deltas) == tokenizer.decode(token_ids) and not any("\ufffd" in d for d in deltas)
+
+    text = IncrementalText(tokenizer, ["wörld"])
+    deltas = []
+    for t in token_ids:
+        deltas.append(text.add([t], finished=False))
+        if text.stopped:
+            break
+    assert "".join(deltas) == text.text == "héllo 🦙 " and not any("w" in d for d in deltas)
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+    models = client.models.list().data
+    assert len(models) == 1 and models[0].id
+
+
+def test_greedy_completion_equals_offline_generate(client, model_name, llm):
+    expected = offline(llm, PROMPTS[:1], **GREEDY)[0]
+    response = client.completions.create(model=model_name, prompt=PROMPTS[0], **GREEDY)
+    choice = response.choices[0]
+    assert choice.text == expected["text"] and choice.finish_reason == expected["finish_reason"]
+    prompt_tokens = len(llm.tokenizer.encode(PROMPTS[0]))
+    assert response.usage.prompt_tokens == prompt_tokens
+    assert response.usage.completion_tokens == len(expected["token_ids"])
+    assert response.usage.total_tokens == prompt_tokens + len(expected["token_ids"])
+
+
+def test_streamed_completion_concatenates_to_offline_text(client, model_name, llm):
+    expected = offline(llm, PROMPTS[1:2], **GREEDY)[0]
+    chunks = list(client.completions.create(model=model_name, prompt=PROMPTS[1], stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == expected["text"]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_chat_completion_uses_the_chat_template(client, model_name, llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    expected = offline(llm, [chat_prompt_ids(llm, messages)], **GREEDY)[0]
+    response = client.chat.completions.create(model=model_name, messages=messages, **GREEDY)
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected["text"]
+    assert response.usage.prompt_tokens == len(chat_prompt_ids(llm, messages))
+
+    chunks = list(client.chat.completions.create(model=model_name, messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected["text"]
+    assert chunks[-1].usage.completion_tokens == len(expected["token_ids"])
+
+
+def test_stop_string_cuts_the_text_and_frees_the_request(server, client, model_name, llm):
+    text = offline(llm, PROMPTS[2:3], **GREEDY)[0]["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    expected = text[:text.find(stop)]
+    response = client.completions.create(model=model_name, prompt=PROMPTS[2], stop=[stop, "\x00never"], **GREEDY)
+    assert response.choices[0].text == expected and response.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=model_name, prompt=PROMPTS[2], stop=stop, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    wait_for_idle_stats(server)
+
+
+def test_sixteen_concurrent_streaming_clients_get_their_own_outputs(server, model_name, llm):
+    expected = [out["text"] for out in offline(llm, PROMPTS, **GREEDY)]
+
+    async def one(client, prompt: str) -> str:
+        stream = await client.completions.create(model=model_name, prompt=prompt, stream=True, **GREEDY)
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def all_of_them() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=30) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, p) for p in PROMPTS)), timeout=60)
+
+    assert asyncio.run(all_of_them()) == expected
+    wait_for_idle_stats(server)
+
+
+def test_client_that_disconnects_mid_stream_is_aborted(server, client, model_name):
+    # ignore_eos: nothing but max_tokens (or the abort) can end this request.
+    params = dict(temperature=0, max_tokens=1000, extra_body={"ignore_eos": True})
+    before = wait_for_idle_stats(server)
+    stream = client.completions.create(model=model_name, prompt=PROMPTS[3], stream=True, **params)
+    for _, _chunk in zip(range(3), stream):
+        pass
+    assert httpx.get(f"{server}/stats", timeout=5).json()["kvcache_blocks_in_use"] > 0
+    stream.close()
+    after = wait_for_idle_stats(server)
+    assert after["generated_tokens"] - before["generated_tokens"] < params["max_tokens"]
+
+
+BAD_REQUESTS = [
+    ("completions", {"max_tokens": 4}),  # no prompt
+    ("chat/completions", {"max_tokens": 4}),  # no messages
+    ("chat/completions", {"messages": []}),
+    ("chat/completions", {"messages": [{"role": "user"}]}),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}),
+    ("completions", {"prompt": 42}),
+    ("completions", {"prompt": ["two", "prompts"]}),
+    ("completions", {"prompt": ""}),
+    ("completions", {"prompt": [10 ** 9]}),  # not a token id
+    ("completions", {"prompt": "hi", "max_tokens": "ten"}),
+    ("completions", {"prompt": "hi", "temperature": "hot"}),
+    ("completions", {"prompt": "hi", "stream": "yes"}),
+    ("completions", {"prompt": "hi", "temperature": -1}),
+    ("completions", {"prompt": "hi", "top_p": 0}),
+    ("completions", {"prompt": "hi", "top_k": 0}),
+    ("completions", {"prompt": "hi", "max_tokens": 0}),
+    ("completions", {"prompt": "hi", "seed": 1.5}),
+    ("completions", {"prompt": "hi", "stop": [""]}),
+    ("completions", {"prompt": "hi", "n": 2}),
+    ("completions", {"prompt": "hi", "logprobs": 3}),  # unsupported, so not silently ignored
+    ("completions", {"prompt": "hello " * 2000}),  # longer than max_model_len
+    ("completions", {"prompt": "hello " * 2000, "stream": True}),
+]
+
+
+@pytest.mark.parametrize("path,body", BAD_REQUESTS, ids=[f"{p}:{sorted(b)}" for p, b in BAD_REQUESTS])
+def test_bad_request_gets_400_and_the_next_good_one_succeeds(server, path, body):
+    response = httpx.post(f"{server}/v1/{path}", json=body, timeout=10)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"] and error["code"] is None
+    good = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+
+
+def test_malformed_json_gets_400_and_openai_client_sees_bad_request(server, client, model_name):
+    response = httpx.post(f"{server}/v1/completions", content=b"{not json", timeout=10,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model_name, prompt="hi", n=2)
+    assert info.value.status_code == 400 and "n must be 1" in info.value.message
+    assert client.completions.create(model=model_name, prompt="hi", max_tokens=2).usage.completion_tokens == 2

@@ -26,13 +26,17 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     bottom right, as in flash-attn: query i sits at position Lk - Lq + i.
     """
     lq, lk = q.shape[0], k.shape[0]
+    # Expand K/V to every query head: with ``enable_gqa`` torch's CPU SDPA leaves its fused
+    # kernel for the slow reference math (measured: 10x slower prefill in bf16).
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     mask = None
     if causal and lq != lk:
         mask = torch.arange(lk, device=q.device) <= torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+    # 4-D [1, H, L, D]: torch's fused CPU kernel does not take 3-D inputs.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-        is_causal=causal and lq == lk, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+        is_causal=causal and lq == lk, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -1,0 +1,27 @@
+"""bench.py runs end to end on a tiny model and reports in nano-vllm's format."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_prints_nano_vllm_final_line_and_json(tiny_models, tmp_path):
+    out_json = tmp_path / "bench.json"
+    cmd = [sys.executable, "bench.py", "--model", tiny_models["llama"], "--num-seqs", "6", "--min-input-len", "8",
+           "--max-input-len", "24", "--min-output-len", "4", "--max-output-len", "12", "--dtype", "float32",
+           "--compare-hf", "--json", str(out_json)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    last = result.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(r"Total: (\d+)tok, Time: (\d+\.\d{2})s, Throughput: (\d+\.\d{2})tok/s", last)
+    assert match, last
+    results = json.loads(out_json.read_text())
+    assert int(match.group(1)) == results["total_tokens"] and results["dtype"] == "float32"
+    assert results["hf_throughput_tok_per_s"] > 0 and results["hf_batch_size"] in (8, 32, 64)
+    for label in ("Prefill:", "Decode:", "mean decode batch", "Preemptions:", "prefix-cache hit rate", "peak RSS",
+                  "dtype:", "threads:"):
+        assert label in result.stdout

@@ -74,19 +74,24 @@ def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_tabl
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     scale = softmax_scale or head_dim ** -0.5
-    # Gather each sequence's blocks once: [batch, Hk, keys, D], keys = max_blocks * block_size.
-    k = k_cache[block_table].flatten(1, 2).transpose(1, 2)
-    v = v_cache[block_table].flatten(1, 2).transpose(1, 2)
+    # Gather every sequence's keys straight into [batch, Hk, keys, D] (keys = max_blocks *
+    # block_size), the layout the matmuls read without another copy: viewed as rows of head_dim
+    # values, the cache holds key (slot, head) at row slot * Hk + head.
+    block_size = k_cache.shape[1]
+    slots = (block_table.long()[:, :, None] * block_size + torch.arange(block_size, device=q.device)).view(batch, 1, -1)
+    rows = (slots * num_kv_heads + torch.arange(num_kv_heads, device=q.device)[:, None]).flatten()
+    k = k_cache.view(-1, head_dim).index_select(0, rows).view(batch, num_kv_heads, -1, head_dim)
+    v = v_cache.view(-1, head_dim).index_select(0, rows).view(batch, num_kv_heads, -1, head_dim)
     # The query heads sharing a kv head become rows of one matmul (GQA without repeating K/V).
-    q = q.view(batch, seqlen_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    q = q.view(batch, seqlen_q, num_kv_heads, group, head_dim).transpose(1, 2)
     scores = torch.matmul(q.reshape(batch, num_kv_heads, seqlen_q * group, head_dim), k.transpose(2, 3))
-    # Query j of sequence b sits at position cache_seqlens[b] - seqlen_q + j.
+    # Query j of sequence b sits at position cache_seqlens[b] - seqlen_q + j and sees keys up to it.
     limit = cache_seqlens[:, None] - seqlen_q + (torch.arange(seqlen_q, device=q.device) if causal else seqlen_q - 1)
     mask = torch.arange(k.shape[2], device=q.device) <= limit[:, :, None]  # [batch, seqlen_q, keys]
-    mask = mask[:, None, :, None, :].expand(-1, -1, -1, group, -1).reshape(batch, 1, seqlen_q * group, -1)
-    probs = (scores.float() * scale).masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    mask = mask.repeat_interleave(group, dim=1)[:, None]  # rows ordered (query, head in group)
+    probs = (scores.float() * scale).masked_fill_(~mask, float("-inf")).softmax(dim=-1)
     out = torch.matmul(probs.to(v.dtype), v).view(batch, num_kv_heads, seqlen_q, group, head_dim)
-    out = out.permute(0, 2, 1, 3, 4).reshape(batch, seqlen_q, num_heads, head_dim)
+    out = out.transpose(1, 2).reshape(batch, seqlen_q, num_heads, head_dim)
     return out.masked_fill((cache_seqlens == 0)[:, None, None, None], 0)  # flash-attn: empty rows give 0
 
 

@@ -34,9 +34,11 @@ def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.T
     """
     num_kv_heads, head_dim = k_cache.shape[2:]
     valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[valid])
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[valid])
+    if not valid.all():
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    slots = slot_mapping.long()
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
 
 
 def _store_kvcache_kernel(key_ptr, key_stride_t, key_stride_h, key_stride_d,

@@ -82,16 +82,18 @@ def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_tabl
     rows = (slots * num_kv_heads + torch.arange(num_kv_heads, device=q.device)[:, None]).flatten()
     k = k_cache.view(-1, head_dim).index_select(0, rows).view(batch, num_kv_heads, -1, head_dim)
     v = v_cache.view(-1, head_dim).index_select(0, rows).view(batch, num_kv_heads, -1, head_dim)
-    # The query heads sharing a kv head become rows of one matmul (GQA without repeating K/V).
+    # The query heads sharing a kv head become rows of one matmul (GQA without repeating K/V):
+    # [batch, Hk, seqlen_q * group, D], rows ordered (query, head in group).
     q = q.view(batch, seqlen_q, num_kv_heads, group, head_dim).transpose(1, 2)
     scores = torch.matmul(q.reshape(batch, num_kv_heads, seqlen_q * group, head_dim), k.transpose(2, 3))
     # Query j of sequence b sits at position cache_seqlens[b] - seqlen_q + j and sees keys up to it.
     limit = cache_seqlens[:, None] - seqlen_q + (torch.arange(seqlen_q, device=q.device) if causal else seqlen_q - 1)
-    mask = torch.arange(k.shape[2], device=q.device) <= limit[:, :, None]  # [batch, seqlen_q, keys]
-    mask = mask.repeat_interleave(group, dim=1)[:, None]  # rows ordered (query, head in group)
-    probs = (scores.float() * scale).masked_fill_(~mask, float("-inf")).softmax(dim=-1)
-    out = torch.matmul(probs.to(v.dtype), v).view(batch, num_kv_heads, seqlen_q, group, head_dim)
-    out = out.transpose(1, 2).reshape(batch, seqlen_q, num_heads, head_dim)
+    masked = torch.arange(k.shape[2], device=q.device) > limit[:, :, None]  # [batch, seqlen_q, keys]
+    scores = (scores.float() * scale).view(batch, num_kv_heads, seqlen_q, group, -1)
+    probs = scores.masked_fill_(masked[:, None, :, None], float("-inf")).softmax(dim=-1)
+    out = torch.matmul(probs.view(batch, num_kv_heads, seqlen_q * group, -1).to(v.dtype), v)
+    out = out.view(batch, num_kv_heads, seqlen_q, group, head_dim).transpose(1, 2)
+    out = out.reshape(batch, seqlen_q, num_heads, head_dim)
     return out.masked_fill((cache_seqlens == 0)[:, None, None, None], 0)  # flash-attn: empty rows give 0
 
 

@@ -4,7 +4,7 @@
 out-of-range option fails here with a ``ValueError`` instead of deep inside a step.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -23,10 +23,12 @@ class Config:
     device: str = "auto"
     dtype: str = "auto"
     enable_prefix_caching: bool = True
+    # Set by resolve_limits: whether max_model_len was left to default (it may then shrink to fit the cache).
+    max_model_len_is_default: bool = field(default=False, init=False, repr=False)
 
     @classmethod
     def from_kwargs(cls, model: str | None, kwargs: dict) -> "Config":
-        known = {f.name for f in fields(cls)} - {"model"}
+        known = {f.name for f in fields(cls) if f.init} - {"model"}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"unknown option(s) {unknown}; valid options are {sorted(known)}")

@@ -17,11 +17,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, temperatures: list[float], top_ks: list[int],
                  top_ps: list[float], seeds: list[int | None], positions: list[int]) -> torch.Tensor:
         logits = logits.float()
-        greedy = logits.argmax(dim=-1)
         if all(t == 0 for t in temperatures):
-            return greedy
+            return logits.argmax(dim=-1)
         device = logits.device
         temps = torch.tensor(temperatures, device=device)
+        greedy = logits.argmax(dim=-1) if any(t == 0 for t in temperatures) else None
         logits = logits / temps.clamp_min(1e-6)[:, None]
         if any(k != -1 for k in top_ks) or any(p < 1 for p in top_ps):
             logits = self._top_k_top_p(logits, top_ks, top_ps)
@@ -35,20 +35,33 @@ class Sampler:
         total = cdf[:, -1:]
         u = torch.minimum(uniform.to(device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
         sampled = torch.searchsorted(cdf, u, right=True).squeeze(1)
-        return torch.where(temps == 0, greedy, sampled)
+        return sampled if greedy is None else torch.where(temps == 0, greedy, sampled)
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
-        vocab = logits.shape[-1]
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ks = torch.tensor([k if k != -1 else vocab for k in top_ks], device=logits.device)
-        ranks = torch.arange(vocab, device=logits.device)
-        sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
-        probs = sorted_logits.softmax(dim=-1)
-        # Keep token i while the tokens ranked above it hold less than top_p of the mass.
-        mass_before = probs.cumsum(dim=-1) - probs
-        ps = torch.tensor(top_ps, device=logits.device)
-        drop = (mass_before >= ps[:, None]) & (ps[:, None] < 1)
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+        """Set every logit outside its row's top-k, then outside its nucleus, to -inf.
+
+        Both cuts are thresholds on value, as in HF (a token tied with the last one kept stays).
+        Finding them needs only the head of each row's ranking: sorting all 49k logits of 64 rows
+        takes ~120 ms on 2 cores, ``topk`` of the first 256 about 5 ms. So the nucleus is looked
+        for in such a shortlist, and in the whole sorted vocabulary only in a batch where some
+        row's shortlist holds less than its top_p of the probability mass.
+        """
+        vocab, device = logits.shape[-1], logits.device
+        if any(k != -1 for k in top_ks):
+            head = logits.topk(min(max(top_ks), vocab), dim=-1).values
+            kth = head.gather(-1, torch.tensor([[min(k, vocab) - 1 if k != -1 else 0] for k in top_ks], device=device))
+            kth = kth.masked_fill(torch.tensor([[k == -1] for k in top_ks], device=device), float("-inf"))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if any(p < 1 for p in top_ps):
+            ps = torch.tensor(top_ps, device=device)[:, None]
+            probs = logits.softmax(dim=-1)
+            head = probs.topk(min(256, vocab), dim=-1).values
+            if bool(((head.sum(-1, keepdim=True) < ps) & (ps < 1)).any()):
+                head = probs.sort(dim=-1, descending=True).values
+            # The token at rank r stays while the tokens ranked above it hold less than top_p
+            # (so the most likely token always stays); rows with top_p = 1 keep everything.
+            num_kept = ((head.cumsum(dim=-1) - head) < ps).sum(-1, keepdim=True)
+            threshold = head.gather(-1, num_kept - 1).masked_fill(ps >= 1, 0)
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        return logits

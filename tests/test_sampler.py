@@ -1,5 +1,6 @@
 """The sampler: greedy, temperature, top-k, the top-p nucleus, and per-request seeds."""
 
+import pytest
 import torch
 
 from nanoengine.sampler import Sampler
@@ -35,6 +36,29 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert set(sample(logits, top_p=0.8).tolist()) == {0, 1}
     # a tiny p still keeps the most likely token
     assert set(sample(logits, top_p=1e-6).tolist()) == {0}
+
+
+def brute_force_kept(logits: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """Sort the whole row: its top-k, then the most likely of those until their mass reaches p."""
+    order = logits.argsort(descending=True)
+    if top_k != -1:
+        order = order[:top_k]
+    probs = logits[order].softmax(-1)
+    return set(order[(probs.cumsum(0) - probs) < top_p].tolist())
+
+
+@pytest.mark.parametrize("vocab", [100, 5000])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4, 5], [1, 3, 4, 5]])  # with and without flat rows
+def test_filters_keep_exactly_the_brute_force_sets_in_a_mixed_batch(vocab, rows):
+    torch.manual_seed(0)
+    # flat rows have a nucleus far wider than the sampler's 256-token shortlist, peaked ones a few tokens
+    logits = (torch.randn(6, vocab) * torch.tensor([[0.1], [6.0], [0.1], [6.0], [1.0], [1.0]]))[rows]
+    top_ks = [[-1, -1, 400, 20, -1, 7][r] for r in rows]
+    top_ps = [[0.9, 0.9, 0.95, 0.5, 1.0, 1.0][r] for r in rows]
+    filtered = Sampler._top_k_top_p(logits, top_ks, top_ps)
+    for i in range(len(rows)):
+        kept = set(filtered[i].isfinite().nonzero().flatten().tolist())
+        assert kept == brute_force_kept(logits[i], top_ks[i], top_ps[i]), rows[i]
 
 
 def test_sampling_frequencies_follow_the_distribution():

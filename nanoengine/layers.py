@@ -47,8 +47,9 @@ class SiluAndMul(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (the "rotate half" layout HF's Llama and Qwen use).
 
-    cos/sin for every position up to ``max_position`` are computed once; each step only indexes
-    them with the tokens' positions, which is what lets prefill and decode share one code path.
+    cos/sin for every position up to ``max_position`` are computed once. Each step the model
+    looks up its tokens' rows once, and every layer rotates its queries and keys with them
+    (``apply_rotary``); indexing by position is what lets prefill and decode share one code path.
     """
 
     def __init__(self, head_dim: int, max_position: int, base: float):
@@ -58,13 +59,14 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: ``model.to(bfloat16)`` must not round the angles.
         self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
-        cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every token's angles, ``[num_tokens, 1, head_dim // 2]`` each."""
+        cos, sin = self.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # In the activations' dtype, as HF computes it: in bf16 every product rounds as there.
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x ``[num_tokens, heads, head_dim]``, in x's dtype as HF does: in bf16 every product
+    rounds exactly as there."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 
 from nanoengine.attention import Attention
 from nanoengine.context import Context
-from nanoengine.layers import PackedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
+from nanoengine.layers import PackedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -25,12 +25,16 @@ def rope_theta(config: PretrainedConfig) -> float:
     return params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
 
 
+def head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_position: int):
+    def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = head_dim(config)
         qkv_bias = getattr(config, "attention_bias", config.model_type == "qwen2")
         self.qkv_proj = PackedLinear(config.hidden_size, {
             "q": self.num_heads * self.head_dim,
@@ -43,10 +47,9 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, rope_theta(config))
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -54,7 +57,7 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.attn(q, k, v, ctx)
         return self.o_proj(out.flatten(1))
 
@@ -72,15 +75,15 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_position: int):
+    def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, max_position)
+        self.self_attn = DecoderAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DecoderMLP(config)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), ctx)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), ctx)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -88,13 +91,16 @@ class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, max_position: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, max_position) for _ in range(config.num_hidden_layers))
+        # One table of rotary angles for all layers: each step looks its positions up once.
+        self.rotary_emb = RotaryEmbedding(head_dim(config), max_position, rope_theta(config))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(positions, hidden, ctx)
+            hidden = layer(rope, hidden, ctx)
         return self.norm(hidden)
 
 

@@ -105,17 +105,11 @@ WITH_PREFIX = [(0, 5), (8, 3), (13, 1), (32, 20), (4, 4)]
 DECODE_LENGTHS = [1, 5, 17, 0, 40, 16]
 
 
+# Packed K/V (no block table), then a cached prefix read back from paged caches of several block sizes.
+@pytest.mark.parametrize("lengths, block_size", [(MIXED, None)] + [(WITH_PREFIX, bs) for bs in (4, 16, 256)])
 @pytest.mark.parametrize("heads", GQA)
-def test_varlen_packed_matches_dense_causal_per_sequence(heads):
-    args, kwargs, expected = varlen_case(MIXED, heads, block_size=None)
-    out = flash_attn_varlen_func_torch(*args, **kwargs)
-    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("block_size", [4, 16, 256])
-@pytest.mark.parametrize("heads", GQA)
-def test_varlen_with_cached_prefix_reads_paged_cache(block_size, heads):
-    args, kwargs, expected = varlen_case(WITH_PREFIX, heads, block_size)
+def test_varlen_matches_dense_causal_per_sequence(lengths, block_size, heads):
+    args, kwargs, expected = varlen_case(lengths, heads, block_size)
     out = flash_attn_varlen_func_torch(*args, **kwargs)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 

@@ -1,5 +1,5 @@
-"""Attention kernels: the torch reference functions against dense causal attention, and flash-attn
-against the torch reference.
+"""Attention kernels: the torch reference functions and the CPU decode kernel against dense causal
+attention, and flash-attn against the torch reference.
 
 The oracle is the textbook formula, one sequence at a time: softmax(Q K^T * scale + causal mask) V
 with each KV head repeated for its group of query heads, in float64. The causal mask is aligned
@@ -11,7 +11,9 @@ blocks in physical order, or past a sequence's length, would be caught.
 import pytest
 import torch
 
+from nanoengine import cpu_attention
 from nanoengine.attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
+from nanoengine.cpu_attention import flash_attn_with_kvcache_cpu
 from nanoengine.model_runner import kvcache_block_size
 
 D = 16
@@ -25,7 +27,7 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     lk, num_kv_heads = k.shape[:2]
     group = num_heads // num_kv_heads
     q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
+    scores = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
     allowed = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
     scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
@@ -40,12 +42,13 @@ def paged_cache(keys: list[torch.Tensor], values: list[torch.Tensor], block_size
     """Scatter each sequence's K/V over shuffled physical blocks; returns the caches
     ``[num_blocks, block_size, Hk, D]`` and an int32 block table padded with block 0, as the
     model runner pads it (``extra_columns`` widens it further, as the graph runner's buffer is)."""
-    num_kv_heads, device, dtype = keys[0].shape[1], keys[0].device, keys[0].dtype
+    _, num_kv_heads, head_dim = keys[0].shape
+    device, dtype = keys[0].device, keys[0].dtype
     needed = [-(-len(k) // block_size) for k in keys]
     num_blocks = sum(needed) + 2  # a few blocks no sequence owns
     order = torch.randperm(num_blocks, generator=gen).tolist()
-    k_cache = rand(gen, num_blocks, block_size, num_kv_heads, D, device=device, dtype=dtype)  # garbage elsewhere
-    v_cache = rand(gen, num_blocks, block_size, num_kv_heads, D, device=device, dtype=dtype)
+    k_cache = rand(gen, num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype)  # garbage elsewhere
+    v_cache = rand(gen, num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype)
     width = max(needed) + extra_columns
     table = torch.zeros(len(keys), width, dtype=torch.int32)
     for i, (k, v) in enumerate(zip(keys, values)):
@@ -83,16 +86,16 @@ def varlen_case(lengths: list[tuple[int, int]], heads: tuple[int, int], block_si
 
 
 def decode_case(cache_seqlens: list[int], heads: tuple[int, int], block_size: int, device="cpu",
-                dtype=torch.float32, extra_columns: int = 0, seed: int = 0):
+                dtype=torch.float32, extra_columns: int = 0, seed: int = 0, head_dim: int = D):
     """One query per sequence over ``cache_seqlens[b]`` cached tokens (this step's included)."""
     gen = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads = heads
-    keys = [rand(gen, n, num_kv_heads, D, device=device, dtype=dtype) for n in cache_seqlens]
-    values = [rand(gen, n, num_kv_heads, D, device=device, dtype=dtype) for n in cache_seqlens]
-    q = rand(gen, len(cache_seqlens), 1, num_heads, D, device=device, dtype=dtype)
+    keys = [rand(gen, n, num_kv_heads, head_dim, device=device, dtype=dtype) for n in cache_seqlens]
+    values = [rand(gen, n, num_kv_heads, head_dim, device=device, dtype=dtype) for n in cache_seqlens]
+    q = rand(gen, len(cache_seqlens), 1, num_heads, head_dim, device=device, dtype=dtype)
     k_cache, v_cache, table = paged_cache(keys, values, block_size, gen, extra_columns)
     kwargs = dict(cache_seqlens=torch.tensor(cache_seqlens, dtype=torch.int32, device=device), block_table=table,
-                  softmax_scale=SCALE, causal=True)
+                  softmax_scale=head_dim ** -0.5, causal=True)
     # A row with nothing in its cache (a padded batch row) gives zeros, as in flash-attn.
     expected = torch.stack([dense_causal_attention(q[b], k, v) if len(k)
                             else torch.zeros_like(q[b], dtype=torch.float64)
@@ -114,20 +117,55 @@ def test_varlen_matches_dense_causal_per_sequence(lengths, block_size, heads):
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture
+def cpu_kernel():
+    """The C++ decode kernel, which must build here: a silent fallback would test the reference twice."""
+    assert cpu_attention._load(D) is not None, "the CPU decode kernel did not build (is g++ installed?)"
+    return flash_attn_with_kvcache_cpu
+
+
+@pytest.fixture(params=["torch", "cpu_kernel"])
+def decode_attention(request):
+    return flash_attn_with_kvcache_torch if request.param == "torch" else request.getfixturevalue("cpu_kernel")
+
+
 @pytest.mark.parametrize("block_size", [4, 16, 256])
 @pytest.mark.parametrize("heads", GQA)
-def test_decode_with_kvcache_matches_dense_and_zeroes_empty_rows(block_size, heads):
+def test_decode_with_kvcache_matches_dense_and_zeroes_empty_rows(decode_attention, block_size, heads):
     args, kwargs, expected = decode_case(DECODE_LENGTHS, heads, block_size)
-    out = flash_attn_with_kvcache_torch(*args, **kwargs)
+    out = decode_attention(*args, **kwargs)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(out[3], torch.zeros_like(out[3]))
 
 
-def test_decode_ignores_block_table_columns_past_each_length():
+def test_decode_ignores_block_table_columns_past_each_length(decode_attention):
     """The graph runner's block table is as wide as the longest possible sequence."""
     args, kwargs, expected = decode_case(DECODE_LENGTHS, (4, 2), block_size=4, extra_columns=5)
-    out = flash_attn_with_kvcache_torch(*args, **kwargs)
+    out = decode_attention(*args, **kwargs)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_kernel_in_bfloat16_at_model_head_sizes(cpu_kernel, head_dim):
+    """SmolLM2's shape (9 query heads over 3 kv heads, head_dim 64) and a larger head, in bf16."""
+    args, kwargs, expected = decode_case([1, 16, 0, 300, 77], (9, 3), 16, dtype=torch.bfloat16, head_dim=head_dim)
+    assert cpu_attention._load(head_dim) is not None
+    out = cpu_kernel(*args, **kwargs)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)  # bf16 rounding of the output
+
+
+def test_cpu_kernel_without_a_compiler_falls_back_to_torch_with_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built earlier to find
+    cpu_attention._load.cache_clear()
+    try:
+        args, kwargs, expected = decode_case(DECODE_LENGTHS, (4, 2), block_size=4)
+        with pytest.warns(UserWarning, match="could not build the CPU decode-attention kernel"):
+            out = flash_attn_with_kvcache_cpu(*args, **kwargs)
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    finally:
+        cpu_attention._load.cache_clear()
 
 
 def test_cuda_block_size_must_be_a_multiple_of_256():

@@ -1,0 +1,68 @@
+"""The CPU decode-attention kernel: cpu_attention.cpp, compiled on first use and called via ctypes.
+
+On CUDA, decode attention is flash-attn's ``flash_attn_with_kvcache``. On CPU, pure torch has no
+way to read the paged cache in place, and the gather it needs instead roughly triples the memory
+traffic of the step's attention (see the .cpp file). The kernel is small, so it is compiled with
+the system C++ compiler, for the model's head size, the first time a model needs it (about a
+second), and cached under ~/.cache/nanoengine. Without a compiler the engine still runs, on the
+pure-torch reference, and says so once.
+"""
+
+import ctypes
+import functools
+import os
+import subprocess
+import warnings
+from pathlib import Path
+
+import torch
+import xxhash
+
+from nanoengine.attention import flash_attn_with_kvcache_torch
+
+_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+_KERNELS = {torch.bfloat16: "decode_bfloat16", torch.float32: "decode_float32"}
+
+
+@functools.cache
+def _load(head_dim: int) -> ctypes.CDLL | None:
+    flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", f"-DHEAD_DIM={head_dim}"]
+    compiler = os.environ.get("CXX", "g++")
+    key = xxhash.xxh64(_SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()
+    cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanoengine"
+    library = cache_dir / f"cpu_attention_{key}.so"
+    try:
+        if not library.exists():
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            partial = library.with_suffix(f".{os.getpid()}.tmp")  # concurrent builds never see half a file
+            subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(partial)], check=True, capture_output=True)
+            os.replace(partial, library)
+        # libgomp is already loaded by torch, so the kernel shares torch's OpenMP threads.
+        return ctypes.CDLL(str(library))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = e.stderr.decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else e
+        warnings.warn(f"could not build the CPU decode-attention kernel ({detail}); "
+                      "decode runs on the slower pure-torch attention")
+        return None
+
+
+def flash_attn_with_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=False):
+    """``flash_attn_with_kvcache`` for decode on CPU (one query per sequence), by the C++ kernel.
+
+    Cases the kernel does not cover (several queries per sequence, a float16 cache, no compiler)
+    go to the pure-torch reference, which has the same semantics.
+    """
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    library = _load(head_dim) if seqlen_q == 1 and k_cache.dtype in _KERNELS else None
+    if library is None:
+        return flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal)
+    # q and out are tiny (one row per sequence), so they cross in float32; the cache never moves.
+    q32 = q.reshape(batch, num_heads, head_dim).float().contiguous()
+    out = torch.empty_like(q32)
+    tables, seqlens = block_table.int().contiguous(), cache_seqlens.int().contiguous()
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q32, k_cache, v_cache, tables, seqlens, out)]
+    getattr(library, _KERNELS[k_cache.dtype])(
+        *pointers, batch, tables.shape[1], k_cache.shape[1], num_heads, k_cache.shape[2],
+        ctypes.c_float(softmax_scale or head_dim ** -0.5))
+    return out.view(batch, 1, num_heads, head_dim).to(q.dtype)

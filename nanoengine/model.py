@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 
 from nanoengine.attention import Attention
 from nanoengine.context import Context
-from nanoengine.layers import PackedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from nanoengine.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -42,7 +42,7 @@ class DecoderAttention(nn.Module):
             "v": self.num_kv_heads * self.head_dim,
         }, bias=qkv_bias)
         o_bias = getattr(config, "attention_bias", False) and config.model_type != "qwen2"
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -68,7 +68,7 @@ class DecoderMLP(nn.Module):
         self.gate_up_proj = PackedLinear(config.hidden_size, {0: config.intermediate_size,
                                                               1: config.intermediate_size}, bias=False)
         self.act = SiluAndMul()
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -120,7 +120,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"model type {config.model_type!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         self.model = DecoderModel(config, max_position)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -14,6 +14,7 @@ from nanoengine.attention import Attention, get_backend
 from nanoengine.config import Config
 from nanoengine.context import Context
 from nanoengine.graph_runner import DecodeGraphRunner
+from nanoengine.layers import Linear
 from nanoengine.loader import load_weights
 from nanoengine.model import CausalLM
 from nanoengine.sampler import Sampler
@@ -61,6 +62,10 @@ class ModelRunner:
             self.model = CausalLM(hf_config, max_position=config.max_model_len)
         load_weights(self.model, model_path)
         self.model.to(self.dtype).eval()
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+            for module in self.model.modules():
+                if isinstance(module, Linear):
+                    module.prepack_for_cpu()
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = get_backend(self.device)

@@ -16,16 +16,27 @@ def hf_model(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 @torch.inference_mode()
-def test_teacher_forced_logits_match_hf_through_paged_cache(arch, tiny_models):
-    """A mixed-length prefill batch, then step-by-step decode through 16-token blocks."""
-    llm = LLM(tiny_models[arch], dtype="float32", kvcache_block_size=16, enable_prefix_caching=False)
+def test_teacher_forced_logits_match_hf_through_paged_cache(arch, dtype, tiny_models):
+    """A mixed-length prefill batch, then step-by-step decode through 16-token blocks.
+
+    In float32 the logits match HF's within 1e-4. bf16 (the CPU default: prepacked weights, the
+    C++ decode kernel) rounds differently from HF's bf16, so it is held to HF's own accuracy: no
+    further from HF's float32 logits than twice HF's bf16 run is.
+    """
+    llm = LLM(tiny_models[arch], dtype=dtype, kvcache_block_size=16, enable_prefix_caching=False)
     runner, model = llm.model_runner, llm.model_runner.model
     gen = torch.Generator().manual_seed(0)
     full = [torch.randint(0, llm.vocab_size, (n + NUM_DECODE_STEPS,), generator=gen).tolist() for n in PROMPT_LENS]
     hf = hf_model(tiny_models[arch])
     expected = [hf(torch.tensor([ids])).logits[0] for ids in full]
+    atol = 1e-4
+    if dtype == "bfloat16":
+        hf_bf16 = hf.to(torch.bfloat16)
+        atol = 2 * max((hf_bf16(torch.tensor([ids])).logits[0].float() - e).abs().max().item()
+                       for ids, e in zip(full, expected))
 
     seqs = [Sequence(ids[:n], SamplingParams(), 16) for ids, n in zip(full, PROMPT_LENS)]
     for seq in seqs:
@@ -34,7 +45,7 @@ def test_teacher_forced_logits_match_hf_through_paged_cache(arch, tiny_models):
     logits = model.compute_logits(model(input_ids, positions, ctx))
     for i, n in enumerate(PROMPT_LENS):
         start = int(ctx.cu_seqlens_q[i])
-        torch.testing.assert_close(logits[start:start + n], expected[i][:n], atol=1e-4, rtol=0)
+        torch.testing.assert_close(logits[start:start + n].float(), expected[i][:n], atol=atol, rtol=0)
 
     for step in range(NUM_DECODE_STEPS):
         for seq, ids, n in zip(seqs, full, PROMPT_LENS):
@@ -43,7 +54,7 @@ def test_teacher_forced_logits_match_hf_through_paged_cache(arch, tiny_models):
         input_ids, positions, ctx = runner.prepare_decode(seqs)
         logits = model.compute_logits(model(input_ids, positions, ctx))
         for i, n in enumerate(PROMPT_LENS):
-            torch.testing.assert_close(logits[i], expected[i][n + step], atol=1e-4, rtol=0)
+            torch.testing.assert_close(logits[i].float(), expected[i][n + step], atol=atol, rtol=0)
     assert max(len(seq.block_table) for seq in seqs) == 4  # 60 tokens span four blocks
 
 

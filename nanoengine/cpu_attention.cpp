@@ -74,13 +74,13 @@ static void attend(const float* q, const T* k_cache, const T* v_cache, const int
   });
 }
 
-// One task per sequence, shared out over torch's OpenMP threads (sequences differ in length,
-// hence the dynamic schedule).
+// One task per sequence, shared out over as many OpenMP threads as torch uses (sequences differ
+// in length, hence the dynamic schedule). libgomp is the one torch loaded, so the threads are its.
 template <typename T>
 static void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* block_table,
                    const int32_t* seqlens, float* out, int batch, int max_blocks, int block_size,
-                   int num_heads, int num_kv_heads, float scale) {
-#pragma omp parallel
+                   int num_heads, int num_kv_heads, float scale, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> scores;  // per thread, reused across its sequences
 #pragma omp for schedule(dynamic)
@@ -100,12 +100,14 @@ static void decode(const float* q, const T* k_cache, const T* v_cache, const int
 extern "C" {
 void decode_bfloat16(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* block_table,
                      const int32_t* seqlens, float* out, int batch, int max_blocks, int block_size, int num_heads,
-                     int num_kv_heads, float scale) {
-  decode(q, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, block_size, num_heads, num_kv_heads, scale);
+                     int num_kv_heads, float scale, int num_threads) {
+  decode(q, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, block_size, num_heads, num_kv_heads, scale,
+         num_threads);
 }
 void decode_float32(const float* q, const float* k_cache, const float* v_cache, const int32_t* block_table,
                     const int32_t* seqlens, float* out, int batch, int max_blocks, int block_size, int num_heads,
-                    int num_kv_heads, float scale) {
-  decode(q, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, block_size, num_heads, num_kv_heads, scale);
+                    int num_kv_heads, float scale, int num_threads) {
+  decode(q, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, block_size, num_heads, num_kv_heads, scale,
+         num_threads);
 }
 }

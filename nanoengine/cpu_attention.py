@@ -37,7 +37,6 @@ def _load(head_dim: int) -> ctypes.CDLL | None:
             partial = library.with_suffix(f".{os.getpid()}.tmp")  # concurrent builds never see half a file
             subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(partial)], check=True, capture_output=True)
             os.replace(partial, library)
-        # libgomp is already loaded by torch, so the kernel shares torch's OpenMP threads.
         return ctypes.CDLL(str(library))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = e.stderr.decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else e
@@ -64,5 +63,5 @@ def flash_attn_with_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, block_table,
     pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q32, k_cache, v_cache, tables, seqlens, out)]
     getattr(library, _KERNELS[k_cache.dtype])(
         *pointers, batch, tables.shape[1], k_cache.shape[1], num_heads, k_cache.shape[2],
-        ctypes.c_float(softmax_scale or head_dim ** -0.5))
+        ctypes.c_float(softmax_scale or head_dim ** -0.5), torch.get_num_threads())
     return out.view(batch, 1, num_heads, head_dim).to(q.dtype)

@@ -11,6 +11,7 @@ pure-torch reference, and says so once.
 import ctypes
 import functools
 import os
+import platform
 import subprocess
 import warnings
 from pathlib import Path
@@ -24,11 +25,21 @@ _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 _KERNELS = {torch.bfloat16: "decode_bfloat16", torch.float32: "decode_float32"}
 
 
+def _cpu_features() -> str:
+    """What ``-march=native`` compiles for. Part of the cache key, so that a home directory shared
+    by different machines never hands one a kernel with instructions its CPU lacks."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
 @functools.cache
 def _load(head_dim: int) -> ctypes.CDLL | None:
     flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", f"-DHEAD_DIM={head_dim}"]
     compiler = os.environ.get("CXX", "g++")
-    key = xxhash.xxh64(_SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()
+    key = xxhash.xxh64(_SOURCE.read_bytes() + " ".join([compiler, *flags, _cpu_features()]).encode()).hexdigest()
     cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanoengine"
     library = cache_dir / f"cpu_attention_{key}.so"
     try:

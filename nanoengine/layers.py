@@ -78,17 +78,22 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
+        cos, sin = freqs.cos(), freqs.sin()
+        # Full head width, with the rotation's sign folded into sin: see ``apply_rotary``.
         # A plain attribute, not a buffer: ``model.to(bfloat16)`` must not round the angles.
-        self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.cos_sin_cache = torch.cat([cos, cos, -sin, sin], dim=-1)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of every token's angles, ``[num_tokens, 1, head_dim // 2]`` each."""
+        """cos and sin of every token's angles, ``[num_tokens, 1, head_dim]`` each."""
         cos, sin = self.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x ``[num_tokens, heads, head_dim]``, in x's dtype as HF does: in bf16 every product
-    rounds exactly as there."""
+    """Rotate x ``[num_tokens, heads, head_dim]``: pair i of its two halves turns by angle i.
+
+    With cos = [c, c] and sin = [-s, s] this is [x1 c - x2 s, x2 c + x1 s], the same products HF
+    forms, rounded in x's dtype as there (so bf16 matches HF bit for bit), in four tensor ops.
+    """
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return x * cos + torch.cat([x2, x1], dim=-1) * sin

@@ -1,11 +1,11 @@
-"""The CPU decode-attention kernel: cpu_attention.cpp, compiled on first use and called via ctypes.
+"""The CPU attention kernels: cpu_attention.cpp, compiled on first use and called via ctypes.
 
-On CUDA, decode attention is flash-attn's ``flash_attn_with_kvcache``. On CPU, pure torch has no
-way to read the paged cache in place, and the gather it needs instead roughly triples the memory
-traffic of the step's attention (see the .cpp file). The kernel is small, so it is compiled with
-the system C++ compiler, for the model's head size, the first time a model needs it (about a
-second), and cached under ~/.cache/nanoengine. Without a compiler the engine still runs, on the
-pure-torch reference, and says so once.
+On CUDA, attention is flash-attn. On CPU, pure torch has no way to read the paged cache in place
+for decode (the gather it needs instead roughly triples the step's memory traffic), and torch's
+SDPA is slow at prefill's short prompts (see the .cpp file). The kernels are small, so they are
+compiled with the system C++ compiler, for the model's head size, the first time a model needs
+them (about a second), and cached under ~/.cache/nanoengine. Without a compiler the engine still
+runs, on the pure-torch references, and says so once.
 """
 
 import ctypes
@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 import xxhash
 
-from nanoengine.attention import flash_attn_with_kvcache_torch
+from nanoengine.attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-_KERNELS = {torch.bfloat16: "decode_bfloat16", torch.float32: "decode_float32"}
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}  # a kernel for each
 
 
 def _cpu_features() -> str:
@@ -51,9 +51,36 @@ def _load(head_dim: int) -> ctypes.CDLL | None:
         return ctypes.CDLL(str(library))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = e.stderr.decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else e
-        warnings.warn(f"could not build the CPU decode-attention kernel ({detail}); "
-                      "decode runs on the slower pure-torch attention")
+        warnings.warn(f"could not build the CPU attention kernels ({detail}); "
+                      "attention runs on the slower pure-torch references")
         return None
+
+
+def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale=None, causal=False, block_table=None):
+    """``flash_attn_varlen_func`` on CPU (prefill), by the C++ kernel; same arguments and semantics.
+
+    A float16 cache, or no compiler, goes to the pure-torch reference instead.
+    """
+    num_heads, head_dim = q.shape[1:]
+    library = _load(head_dim) if q.dtype in _DTYPES and k.dtype == q.dtype else None
+    if library is None:
+        return flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            softmax_scale, causal, block_table)
+    if block_table is None:
+        # Packed K/V read as a paged cache whose blocks hold one token each: sequence i's "blocks"
+        # are its own rows, cu_seqlens_k[i], cu_seqlens_k[i] + 1, ...
+        block_table = cu_seqlens_k[:-1, None] + torch.arange(max_seqlen_k, device=q.device, dtype=torch.int32)
+        k, v = k.unsqueeze(1), v.unsqueeze(1)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)
+    tables, cu_q = block_table.int().contiguous(), cu_seqlens_q.int().contiguous()
+    seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).int().contiguous()
+    pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q, k, v, tables, cu_q, seqlens, out)]
+    getattr(library, "prefill_" + _DTYPES[q.dtype])(
+        *pointers, len(seqlens), tables.shape[1], k.shape[1], num_heads, k.shape[2],
+        ctypes.c_float(softmax_scale or head_dim ** -0.5), int(causal), torch.get_num_threads())
+    return out
 
 
 def flash_attn_with_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=False):
@@ -63,7 +90,7 @@ def flash_attn_with_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, block_table,
     go to the pure-torch reference, which has the same semantics.
     """
     batch, seqlen_q, num_heads, head_dim = q.shape
-    library = _load(head_dim) if seqlen_q == 1 and k_cache.dtype in _KERNELS else None
+    library = _load(head_dim) if seqlen_q == 1 and k_cache.dtype in _DTYPES else None
     if library is None:
         return flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal)
     # q and out are tiny (one row per sequence), so they cross in float32; the cache never moves.
@@ -72,7 +99,7 @@ def flash_attn_with_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, block_table,
     tables, seqlens = block_table.int().contiguous(), cache_seqlens.int().contiguous()
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q32, k_cache, v_cache, tables, seqlens, out)]
-    getattr(library, _KERNELS[k_cache.dtype])(
+    getattr(library, "decode_" + _DTYPES[k_cache.dtype])(
         *pointers, batch, tables.shape[1], k_cache.shape[1], num_heads, k_cache.shape[2],
         ctypes.c_float(softmax_scale or head_dim ** -0.5), torch.get_num_threads())
     return out.view(batch, 1, num_heads, head_dim).to(q.dtype)

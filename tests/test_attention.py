@@ -1,4 +1,4 @@
-"""Attention kernels: the torch reference functions and the CPU decode kernel against dense causal
+"""Attention kernels: the torch reference functions and the CPU kernels against dense causal
 attention, and flash-attn against the torch reference.
 
 The oracle is the textbook formula, one sequence at a time: softmax(Q K^T * scale + causal mask) V
@@ -13,7 +13,7 @@ import torch
 
 from nanoengine import cpu_attention
 from nanoengine.attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
-from nanoengine.cpu_attention import flash_attn_with_kvcache_cpu
+from nanoengine.cpu_attention import flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu
 from nanoengine.model_runner import kvcache_block_size
 
 D = 16
@@ -65,18 +65,18 @@ def cu_seqlens(lengths: list[int], device) -> torch.Tensor:
 
 
 def varlen_case(lengths: list[tuple[int, int]], heads: tuple[int, int], block_size: int | None,
-                device="cpu", dtype=torch.float32, seed: int = 0):
+                device="cpu", dtype=torch.float32, seed: int = 0, head_dim: int = D):
     """A packed prefill: sequence i has ``cached`` tokens already in the cache and ``new`` queries.
     Without a block size (no cached prefix) K/V are packed like q; with one, they come paged."""
     gen = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads = heads
-    keys = [rand(gen, c + n, num_kv_heads, D, device=device, dtype=dtype) for c, n in lengths]
-    values = [rand(gen, c + n, num_kv_heads, D, device=device, dtype=dtype) for c, n in lengths]
-    queries = [rand(gen, n, num_heads, D, device=device, dtype=dtype) for _, n in lengths]
+    keys = [rand(gen, c + n, num_kv_heads, head_dim, device=device, dtype=dtype) for c, n in lengths]
+    values = [rand(gen, c + n, num_kv_heads, head_dim, device=device, dtype=dtype) for c, n in lengths]
+    queries = [rand(gen, n, num_heads, head_dim, device=device, dtype=dtype) for _, n in lengths]
     kwargs = dict(cu_seqlens_q=cu_seqlens([n for _, n in lengths], device),
                   cu_seqlens_k=cu_seqlens([c + n for c, n in lengths], device),
                   max_seqlen_q=max(n for _, n in lengths), max_seqlen_k=max(c + n for c, n in lengths),
-                  softmax_scale=SCALE, causal=True)
+                  softmax_scale=head_dim ** -0.5, causal=True)
     if block_size is None:
         k, v = torch.cat(keys), torch.cat(values)
     else:
@@ -108,25 +108,30 @@ WITH_PREFIX = [(0, 5), (8, 3), (13, 1), (32, 20), (4, 4)]
 DECODE_LENGTHS = [1, 5, 17, 0, 40, 16]
 
 
-# Packed K/V (no block table), then a cached prefix read back from paged caches of several block sizes.
-@pytest.mark.parametrize("lengths, block_size", [(MIXED, None)] + [(WITH_PREFIX, bs) for bs in (4, 16, 256)])
-@pytest.mark.parametrize("heads", GQA)
-def test_varlen_matches_dense_causal_per_sequence(lengths, block_size, heads):
-    args, kwargs, expected = varlen_case(lengths, heads, block_size)
-    out = flash_attn_varlen_func_torch(*args, **kwargs)
-    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+def cpu_kernel(fn):
+    """A C++ kernel, which must build here: a silent fallback would test the reference twice."""
+    assert cpu_attention._load(D) is not None, "the CPU attention kernels did not build (is g++ installed?)"
+    return fn
 
 
-@pytest.fixture
-def cpu_kernel():
-    """The C++ decode kernel, which must build here: a silent fallback would test the reference twice."""
-    assert cpu_attention._load(D) is not None, "the CPU decode kernel did not build (is g++ installed?)"
-    return flash_attn_with_kvcache_cpu
+@pytest.fixture(params=["torch", "cpu_kernel"])
+def prefill_attention(request):
+    return flash_attn_varlen_func_torch if request.param == "torch" else cpu_kernel(flash_attn_varlen_func_cpu)
 
 
 @pytest.fixture(params=["torch", "cpu_kernel"])
 def decode_attention(request):
-    return flash_attn_with_kvcache_torch if request.param == "torch" else request.getfixturevalue("cpu_kernel")
+    return flash_attn_with_kvcache_torch if request.param == "torch" else cpu_kernel(flash_attn_with_kvcache_cpu)
+
+
+# Packed K/V (no block table), then a cached prefix read back from paged caches of several block
+# sizes. MIXED's 33-token prompt spans three of the kernel's 16-row tiles per kv head.
+@pytest.mark.parametrize("lengths, block_size", [(MIXED, None)] + [(WITH_PREFIX, bs) for bs in (4, 16, 256)])
+@pytest.mark.parametrize("heads", GQA)
+def test_varlen_matches_dense_causal_per_sequence(prefill_attention, lengths, block_size, heads):
+    args, kwargs, expected = varlen_case(lengths, heads, block_size)
+    out = prefill_attention(*args, **kwargs)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("block_size", [4, 16, 256])
@@ -145,24 +150,36 @@ def test_decode_ignores_block_table_columns_past_each_length(decode_attention):
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_cpu_kernel_in_bfloat16_at_model_head_sizes(cpu_kernel, head_dim):
-    """SmolLM2's shape (9 query heads over 3 kv heads, head_dim 64) and a larger head, in bf16."""
-    args, kwargs, expected = decode_case([1, 16, 0, 300, 77], (9, 3), 16, dtype=torch.bfloat16, head_dim=head_dim)
+# SmolLM2's shape (9 query heads over 3 kv heads, head_dim 64), a larger head, and one that is not a
+# multiple of 16 (the prefill kernel's value vectors get narrower), in bf16 and float32.
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])  # bf16 rounds the output
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
+def test_cpu_kernels_at_model_head_sizes(head_dim, dtype, tol):
     assert cpu_attention._load(head_dim) is not None
-    out = cpu_kernel(*args, **kwargs)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)  # bf16 rounding of the output
+    prefill = [(0, 40), (0, 1), (100, 20), (16, 3)]
+    args, kwargs, expected = varlen_case(prefill, (9, 3), None, dtype=dtype, head_dim=head_dim)
+    out = flash_attn_varlen_func_cpu(*args, **kwargs)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    args, kwargs, expected = varlen_case(prefill, (9, 3), 16, dtype=dtype, head_dim=head_dim)
+    torch.testing.assert_close(flash_attn_varlen_func_cpu(*args, **kwargs).double(), expected, atol=tol, rtol=tol)
+    args, kwargs, expected = decode_case([1, 16, 0, 300, 77], (9, 3), 16, dtype=dtype, head_dim=head_dim)
+    out = flash_attn_with_kvcache_cpu(*args, **kwargs)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
-def test_cpu_kernel_without_a_compiler_falls_back_to_torch_with_a_warning(monkeypatch, tmp_path):
+def test_cpu_kernels_without_a_compiler_fall_back_to_torch_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built earlier to find
     cpu_attention._load.cache_clear()
     try:
         args, kwargs, expected = decode_case(DECODE_LENGTHS, (4, 2), block_size=4)
-        with pytest.warns(UserWarning, match="could not build the CPU decode-attention kernel"):
+        with pytest.warns(UserWarning, match="could not build the CPU attention kernels"):
             out = flash_attn_with_kvcache_cpu(*args, **kwargs)
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+        args, kwargs, expected = varlen_case(WITH_PREFIX, (4, 2), block_size=4)
+        out = flash_attn_varlen_func_cpu(*args, **kwargs)  # warned once already; falls back silently
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     finally:
         cpu_attention._load.cache_clear()

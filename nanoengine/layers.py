@@ -5,22 +5,39 @@ gate/up into ``gate_up_proj``): one large product instead of several small ones.
 store them separately, so a ``PackedLinear`` knows where each checkpoint tensor goes.
 """
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm, optionally with the residual add before it (vLLM's fused_add_rms_norm).
+
+    ``norm(x)`` returns RMSNorm(x). ``norm(x, residual)`` returns (RMSNorm(residual + x),
+    residual + x): the decoder keeps a running residual sum, and adding into it is folded into
+    the norm that reads it next. On CPU the model runner sets ``kernel`` to a C++ function that
+    does both in one pass (cpu_kernels.add_rms_norm); torch runs them as eight small ops.
+    """
+
+    kernel: Callable | None = None
+
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.kernel is not None:
+            return self.kernel(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = residual = x + residual
         # Normalise in float32 (as HF does) so bf16 activations do not lose the small variance.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        out = self.weight * x32.to(x.dtype)
+        return out if residual is None else (out, residual)
 
 
 class Linear(nn.Linear):
@@ -63,7 +80,14 @@ class PackedLinear(Linear):
 
 
 class SiluAndMul(nn.Module):
+    """The gated MLP's activation: x is [gate | up], the result SiLU(gate) * up. On CPU the model
+    runner sets ``kernel`` to a C++ function that does it in one pass (cpu_kernels.silu_and_mul)."""
+
+    kernel: Callable | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -82,9 +82,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DecoderMLP(config)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
+                ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden is the previous layer's output, residual the running sum before it (None at the
+        first layer); each norm adds its input into the sum first. Returns the same pair."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(self.self_attn(rope, hidden, ctx), residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -97,11 +104,11 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(rope, hidden, ctx)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, ctx)
+        return self.norm(hidden, residual)[0]
 
 
 class CausalLM(nn.Module):

@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 from nanoengine.attention import Attention, get_backend
 from nanoengine.config import Config
 from nanoengine.context import Context
+from nanoengine.cpu_kernels import use_cpu_layer_kernels
 from nanoengine.graph_runner import DecodeGraphRunner
 from nanoengine.layers import Linear
 from nanoengine.loader import load_weights
@@ -68,6 +69,8 @@ class ModelRunner:
             for module in self.model.modules():
                 if isinstance(module, Linear):
                     module.prepack_for_cpu()
+        if self.device.type == "cpu":
+            use_cpu_layer_kernels(self.model, self.dtype)
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = get_backend(self.device)

@@ -1,11 +1,12 @@
-"""The CPU attention kernels: cpu_attention.cpp, compiled on first use and called via ctypes.
+"""nanoengine's CPU kernels: small C++ files, compiled on first use and called through ctypes.
 
 On CUDA, attention is flash-attn. On CPU, pure torch has no way to read the paged cache in place
-for decode (the gather it needs instead roughly triples the step's memory traffic), and torch's
-SDPA is slow at prefill's short prompts (see the .cpp file). The kernels are small, so they are
-compiled with the system C++ compiler, for the model's head size, the first time a model needs
-them (about a second), and cached under ~/.cache/nanoengine. Without a compiler the engine still
-runs, on the pure-torch references, and says so once.
+for decode (the gather it needs instead roughly triples the step's memory traffic), torch's SDPA
+is slow at prefill's short prompts (cpu_attention.cpp), and the decoder's element-wise ops cost
+more to launch than to compute at decode batch sizes (cpu_layers.cpp). The kernels are small, so
+they are compiled with the system C++ compiler (attention for the model's head size) the first
+time a model needs them, in about a second, and cached under ~/.cache/nanoengine. Without a
+compiler the engine still runs, on the pure-torch code, and says so once.
 """
 
 import ctypes
@@ -20,8 +21,9 @@ import torch
 import xxhash
 
 from nanoengine.attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
+from nanoengine.layers import RMSNorm, SiluAndMul
 
-_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+_HEADER = Path(__file__).with_name("cpu_bfloat16.h")
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}  # a kernel for each
 
 
@@ -36,23 +38,26 @@ def _cpu_features() -> str:
 
 
 @functools.cache
-def _load(head_dim: int) -> ctypes.CDLL | None:
-    flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", f"-DHEAD_DIM={head_dim}"]
+def _load(source: str, head_dim: int | None = None) -> ctypes.CDLL | None:
+    """The compiled ``source`` (a .cpp file beside this one), for ``head_dim`` if it needs one."""
+    path = Path(__file__).with_name(source)
+    flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+    flags += [f"-DHEAD_DIM={head_dim}"] if head_dim else []
     compiler = os.environ.get("CXX", "g++")
-    key = xxhash.xxh64(_SOURCE.read_bytes() + " ".join([compiler, *flags, _cpu_features()]).encode()).hexdigest()
+    key = xxhash.xxh64(path.read_bytes() + _HEADER.read_bytes() + " ".join([compiler, *flags, _cpu_features()]).encode())
     cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanoengine"
-    library = cache_dir / f"cpu_attention_{key}.so"
+    library = cache_dir / f"{path.stem}_{key.hexdigest()}.so"
     try:
         if not library.exists():
             cache_dir.mkdir(parents=True, exist_ok=True)
             partial = library.with_suffix(f".{os.getpid()}.tmp")  # concurrent builds never see half a file
-            subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(partial)], check=True, capture_output=True)
+            subprocess.run([compiler, *flags, str(path), "-o", str(partial)], check=True, capture_output=True)
             os.replace(partial, library)
         return ctypes.CDLL(str(library))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = e.stderr.decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else e
-        warnings.warn(f"could not build the CPU attention kernels ({detail}); "
-                      "attention runs on the slower pure-torch references")
+        warnings.warn(f"could not build the CPU kernels in {source} ({detail}); "
+                      "they are replaced by slower pure-torch code")
         return None
 
 
@@ -63,7 +68,8 @@ def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     A float16 cache, or no compiler, goes to the pure-torch reference instead.
     """
     num_heads, head_dim = q.shape[1:]
-    library = _load(head_dim) if q.dtype in _DTYPES and k.dtype == q.dtype else None
+    ok = q.dtype in _DTYPES and k.dtype == q.dtype
+    library = _load("cpu_attention.cpp", head_dim) if ok else None
     if library is None:
         return flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             softmax_scale, causal, block_table)
@@ -90,16 +96,47 @@ def flash_attn_with_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, block_table,
     go to the pure-torch reference, which has the same semantics.
     """
     batch, seqlen_q, num_heads, head_dim = q.shape
-    library = _load(head_dim) if seqlen_q == 1 and k_cache.dtype in _DTYPES else None
+    ok = seqlen_q == 1 and q.dtype in _DTYPES and k_cache.dtype == q.dtype
+    library = _load("cpu_attention.cpp", head_dim) if ok else None
     if library is None:
         return flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal)
-    # q and out are tiny (one row per sequence), so they cross in float32; the cache never moves.
-    q32 = q.reshape(batch, num_heads, head_dim).float().contiguous()
-    out = torch.empty_like(q32)
+    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    out = torch.empty_like(q)
     tables, seqlens = block_table.int().contiguous(), cache_seqlens.int().contiguous()
-    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-    pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q32, k_cache, v_cache, tables, seqlens, out)]
-    getattr(library, "decode_" + _DTYPES[k_cache.dtype])(
+    pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q, k_cache, v_cache, tables, seqlens, out)]
+    getattr(library, "decode_" + _DTYPES[q.dtype])(
         *pointers, batch, tables.shape[1], k_cache.shape[1], num_heads, k_cache.shape[2],
         ctypes.c_float(softmax_scale or head_dim ** -0.5), torch.get_num_threads())
-    return out.view(batch, 1, num_heads, head_dim).to(q.dtype)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """``RMSNorm.forward`` in one pass (cpu_layers.cpp). With a residual, the sum is written into it."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows, cols = x.numel() // x.shape[-1], x.shape[-1]
+    pointers = [ctypes.c_void_p(t.data_ptr() if t is not None else None) for t in (x, residual, weight, out)]
+    getattr(_load("cpu_layers.cpp"), "add_rms_norm_" + _DTYPES[x.dtype])(
+        *pointers, rows, cols, ctypes.c_float(eps), torch.get_num_threads())
+    return out if residual is None else (out, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``SiluAndMul.forward`` in one pass (cpu_layers.cpp)."""
+    x = x.contiguous()
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+    getattr(_load("cpu_layers.cpp"), "silu_and_mul_" + _DTYPES[x.dtype])(
+        ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()), out.numel() // out.shape[-1], out.shape[-1],
+        torch.get_num_threads())
+    return out
+
+
+def use_cpu_layer_kernels(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Point the model's RMSNorms and SiLU-and-muls at the kernels above, if they build for ``dtype``."""
+    if dtype not in _DTYPES or _load("cpu_layers.cpp") is None:
+        return
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.kernel = add_rms_norm
+        elif isinstance(module, SiluAndMul):
+            module.kernel = silu_and_mul

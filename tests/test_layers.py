@@ -1,0 +1,73 @@
+"""The decoder's element-wise ops: the CPU kernels (cpu_layers.cpp) against the torch code they
+replace, and the residual stream they share.
+
+The torch code is HF's arithmetic (float32 normalisation, each op rounded to the activation
+dtype), so the kernels must agree with it to the last bit or one rounding step (reductions sum
+in another order), and the residual sums they write must be identical.
+"""
+
+import pytest
+import torch
+
+from nanoengine import cpu_kernels
+from nanoengine.layers import RMSNorm, SiluAndMul
+
+ULP = {torch.bfloat16: 2 ** -7, torch.float32: 1e-5}  # bf16: one rounding step, relative
+
+
+@pytest.fixture(autouse=True)
+def layer_kernels_build():
+    assert cpu_kernels._load("cpu_layers.cpp") is not None, "the CPU kernels did not build (is g++ installed?)"
+
+
+def norm_pair(dtype, hidden_size, eps=1e-6):
+    torch.manual_seed(0)
+    reference = RMSNorm(hidden_size, eps).to(dtype)
+    with torch.no_grad():
+        reference.weight.copy_(1 + 0.2 * torch.randn(hidden_size))
+    fused = RMSNorm(hidden_size, eps).to(dtype)
+    fused.load_state_dict(reference.state_dict())
+    fused.kernel = cpu_kernels.add_rms_norm
+    return reference, fused
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576 rows run on several threads
+def test_add_rms_norm_matches_torch_with_and_without_a_residual(dtype, rows):
+    reference, fused = norm_pair(dtype, 576)
+    x, residual = torch.randn(rows, 576).to(dtype), (3 * torch.randn(rows, 576)).to(dtype)
+    torch.testing.assert_close(fused(x), reference(x), atol=0, rtol=ULP[dtype])
+    expected_out, expected_sum = reference(x, residual.clone())
+    kernel_residual = residual.clone()
+    out, new_residual = fused(x, kernel_residual)
+    assert torch.equal(new_residual, expected_sum)
+    assert new_residual.data_ptr() == kernel_residual.data_ptr()  # written in place, as vLLM's op does
+    torch.testing.assert_close(out, expected_out, atol=0, rtol=ULP[dtype])
+
+
+def test_add_rms_norm_on_heads_of_a_strided_view():
+    """Qwen3 normalises each query head: a [tokens, heads, head_dim] view into the fused qkv output."""
+    reference, fused = norm_pair(torch.bfloat16, 32)
+    qkv = torch.randn(5, 4 * 32 + 64).bfloat16()
+    q = qkv[:, :4 * 32].view(5, 4, 32)
+    torch.testing.assert_close(fused(q), reference(q), atol=0, rtol=ULP[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_silu_and_mul_matches_torch(dtype, rows):
+    x = (4 * torch.randn(rows, 2 * 1536)).to(dtype)
+    fused = SiluAndMul()
+    fused.kernel = cpu_kernels.silu_and_mul
+    # The kernel's exp is not torch's: SiLU may round one step apart, which the product can carry
+    # up to two steps. 300 rows run on several threads.
+    torch.testing.assert_close(fused(x), SiluAndMul()(x), atol=1e-6, rtol=2 * ULP[dtype])
+
+
+def test_the_model_runner_binds_the_kernels_on_cpu(tiny_models):
+    from nanoengine import LLM
+    llm = LLM(tiny_models["qwen3"], dtype="bfloat16", num_kvcache_blocks=8)
+    modules = list(llm.model_runner.model.modules())
+    norms = [m for m in modules if isinstance(m, RMSNorm)]
+    assert norms and all(m.kernel is cpu_kernels.add_rms_norm for m in norms)
+    assert all(m.kernel is cpu_kernels.silu_and_mul for m in modules if isinstance(m, SiluAndMul))

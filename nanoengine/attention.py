@@ -4,10 +4,10 @@ Each step, an attention layer first stores this step's keys and values into the 
 the slot mapping, then attends: a prefill step over variable-length sequences packed into one
 batch, a decode step with one query per sequence over its block table. The kernels have
 flash-attn's signatures and semantics. On CUDA they *are* flash-attn (and a Triton kernel for the
-store); on CPU, prefill and decode attention are two small C++ kernels (cpu_kernels.py) and the
-store is pure torch. The pure-torch functions below are the reference every kernel is tested
-against, and the CPU fallback without a C++ compiler. The choice is made once, in
-``get_backend``; the model never asks which device it runs on.
+store); on CPU they are small C++ kernels (cpu_kernels.py). The pure-torch functions (below, and
+``store_kvcache_torch``) are the reference every kernel is tested against, and the CPU fallback
+without a C++ compiler. The choice is made once, in ``get_backend``; the model never asks which
+device it runs on.
 """
 
 from dataclasses import dataclass
@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoengine.context import Context
-from nanoengine.store_kvcache import store_kvcache_torch
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
@@ -108,8 +107,8 @@ class AttentionBackend:
 
 def get_backend(device: torch.device) -> AttentionBackend:
     if device.type != "cuda":
-        from nanoengine.cpu_kernels import flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu
-        return AttentionBackend(store_kvcache_torch, flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu)
+        from nanoengine.cpu_kernels import flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu, store_kvcache_cpu
+        return AttentionBackend(store_kvcache_cpu, flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu)
     try:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
     except ImportError as e:

@@ -21,6 +21,7 @@ import torch
 import xxhash
 
 from nanoengine.attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
+from nanoengine.store_kvcache import store_kvcache_torch
 from nanoengine.layers import RMSNorm, SiluAndMul
 
 _HEADER = Path(__file__).with_name("cpu_bfloat16.h")
@@ -59,6 +60,21 @@ def _load(source: str, head_dim: int | None = None) -> ctypes.CDLL | None:
         warnings.warn(f"could not build the CPU kernels in {source} ({detail}); "
                       "they are replaced by slower pure-torch code")
         return None
+
+
+def store_kvcache_cpu(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """``store_kvcache`` on CPU, one C++ call per layer (torch needs five ops, one of them a sync)."""
+    head_dim = k_cache.shape[-1]
+    library = _load("cpu_attention.cpp", head_dim)
+    rows_contiguous = all(t.stride(-1) == 1 and t.stride(-2) == head_dim for t in (key, value))
+    if library is None or not rows_contiguous or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping)
+    size, slots = key.element_size(), slot_mapping.long().contiguous()  # slots must outlive the call
+    library.store_kvcache(
+        ctypes.c_void_p(key.data_ptr()), ctypes.c_void_p(value.data_ptr()),
+        ctypes.c_int64(key.stride(0) * size), ctypes.c_int64(value.stride(0) * size),
+        *[ctypes.c_void_p(t.data_ptr()) for t in (k_cache, v_cache, slots)],
+        key.shape[0], ctypes.c_int64(key[0].numel() * size), torch.get_num_threads())
 
 
 def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -1,4 +1,4 @@
-"""store_kvcache: both kernels write exactly the bytes the reference writes, and nothing else.
+"""store_kvcache: every kernel writes exactly the bytes the reference writes, and nothing else.
 
 Without a GPU the Triton kernel runs under Triton's interpreter. `triton.jit` reads
 TRITON_INTERPRET when it wraps a function, and nanoengine wraps its kernel on first call, so
@@ -15,6 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from nanoengine import cpu_kernels  # noqa: E402
 from nanoengine.store_kvcache import store_kvcache_torch, store_kvcache_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,6 +26,14 @@ NUM_BLOCKS, BLOCK_SIZE, NUM_TOKENS = 6, 8, 24  # small: the interpreter is slow
 def store_triton():
     pytest.importorskip("triton")
     return store_kvcache_triton
+
+
+@pytest.fixture(params=["torch", "cpu_kernel"])
+def store_on_cpu(request):
+    if request.param == "torch":
+        return store_kvcache_torch
+    assert cpu_kernels._load("cpu_attention.cpp", 64) is not None, "the CPU kernels did not build"
+    return cpu_kernels.store_kvcache_cpu
 
 
 def make_case(num_kv_heads: int, head_dim: int, dtype: torch.dtype, layout: str = "contiguous",
@@ -69,13 +78,16 @@ def assert_triton_matches_torch(store_triton, case) -> None:
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
+# The CPU kernel copies rows of bytes: it takes the contiguous and fused-qkv layouts (rows of one
+# token's heads, token strides of any size) and hands a transposed one to the torch code.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("layout", ["contiguous", "fused_qkv", "transposed"])
-def test_torch_store_matches_python_loop_reference(layout, slot_dtype):
-    key, value, k_cache, v_cache, slot_mapping = make_case(2, 16, torch.float32, layout, slot_dtype)
+def test_cpu_stores_match_python_loop_reference(store_on_cpu, layout, slot_dtype, dtype):
+    key, value, k_cache, v_cache, slot_mapping = make_case(3, 64, dtype, layout, slot_dtype)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     store_with_python_loop(key, value, expected_k, expected_v, slot_mapping)
-    store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping)
+    store_on_cpu(key, value, k_cache, v_cache, slot_mapping)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
@@ -95,9 +107,15 @@ def test_triton_store_matches_torch_for_non_contiguous_key_value(store_triton, l
     assert_triton_matches_torch(store_triton, make_case(3, 64, dtype, layout))
 
 
-@pytest.mark.parametrize("kernel", ["torch", "triton"])
-def test_padding_rows_write_nothing(request, kernel):
-    store = store_kvcache_torch if kernel == "torch" else request.getfixturevalue("store_triton")
+def test_padding_rows_write_nothing_on_cpu(store_on_cpu):
+    assert_padding_rows_write_nothing(store_on_cpu)
+
+
+def test_padding_rows_write_nothing_in_triton(store_triton):
+    assert_padding_rows_write_nothing(store_triton)
+
+
+def assert_padding_rows_write_nothing(store) -> None:
     key, value, k_cache, v_cache, slot_mapping = make_case(3, 64, torch.float32)
     before_k, before_v = k_cache.clone(), v_cache.clone()
     store(key, value, k_cache, v_cache, torch.full_like(slot_mapping, -1))

@@ -11,6 +11,14 @@ preemption's recompute.
 """
 
 import torch
+import torch.nn.functional as F
+
+SAMPLER_CHUNK = 256  # tokens per chunk of the two-level inverse CDF
+
+
+def _below(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """x, but strictly below total (the largest float under it where x is not)."""
+    return torch.minimum(x, torch.nextafter(total, torch.zeros_like(total)))
 
 
 class Sampler:
@@ -25,17 +33,34 @@ class Sampler:
         logits = logits / temps.clamp_min(1e-6)[:, None]
         if any(k != -1 for k in top_ks) or any(p < 1 for p in top_ps):
             logits = self._top_k_top_p(logits, top_ks, top_ps)
-        cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
         uniform = torch.rand(len(seeds))
         for row, seed in enumerate(seeds):
             if seed is not None:
                 gen = torch.Generator().manual_seed(hash((seed, positions[row])) & 0x7FFF_FFFF_FFFF_FFFF)
                 uniform[row] = torch.rand(1, generator=gen)
-        # Token i is picked when cdf[i-1] <= u < cdf[i]: a filtered token (zero mass) never is.
-        total = cdf[:, -1:]
-        u = torch.minimum(uniform.to(device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-        sampled = torch.searchsorted(cdf, u, right=True).squeeze(1)
+        sampled = self._inverse_cdf(logits.softmax(dim=-1), uniform.to(device))
         return sampled if greedy is None else torch.where(temps == 0, greedy, sampled)
+
+    @staticmethod
+    def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """Token i of each row such that cdf[i-1] <= u * total < cdf[i], found in two levels.
+
+        One cumsum over the whole vocabulary is a serial chain of additions per row: 2.2 ms at
+        batch 64 here, for 49k tokens. Sums of chunks of 256 tokens vectorise, so a row first
+        finds its chunk in the cumsum of its chunk sums, then its token in that one chunk's
+        cumsum. u is kept below the total at each level, so a token of zero mass (filtered out)
+        is never picked.
+        """
+        rows, vocab = probs.shape
+        pad = -vocab % SAMPLER_CHUNK  # zeros: no mass
+        chunks = (F.pad(probs, (0, pad)) if pad else probs).view(rows, -1, SAMPLER_CHUNK)
+        chunk_cdf = chunks.sum(-1).cumsum(-1)
+        target = _below(uniform[:, None] * chunk_cdf[:, -1:], chunk_cdf[:, -1:])
+        chunk = torch.searchsorted(chunk_cdf, target, right=True)  # [rows, 1]
+        before = chunk_cdf.gather(-1, (chunk - 1).clamp_min(0)).masked_fill(chunk == 0, 0)
+        token_cdf = chunks.gather(1, chunk[:, :, None].expand(-1, -1, SAMPLER_CHUNK)).squeeze(1).cumsum(-1)
+        token = torch.searchsorted(token_cdf, _below(target - before, token_cdf[:, -1:]), right=True)
+        return (chunk * SAMPLER_CHUNK + token).squeeze(1)
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

@@ -85,3 +85,29 @@ def test_seeded_row_is_independent_of_the_rest_of_the_batch():
     # a different position draws different noise: the same seed does not repeat one token forever
     draws = {int(Sampler()(torch.zeros(1, 1000), [1.0], [-1], [1.0], [42], [p])[0]) for p in range(20)}
     assert len(draws) > 10
+
+
+@pytest.mark.parametrize("vocab", [300, 49152])  # a partial last chunk; SmolLM2's vocabulary
+def test_two_level_inverse_cdf_picks_what_one_cumsum_picks(vocab):
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.randn(64, vocab, generator=gen).mul(3).softmax(-1)
+    probs[probs < probs.quantile(0.5, dim=-1, keepdim=True)] = 0  # filtered tokens: zero mass
+    uniform = torch.rand(64, generator=gen)
+    cdf = probs.cumsum(-1)
+    expected = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True).squeeze(1)
+    assert torch.equal(Sampler._inverse_cdf(probs, uniform), expected)
+
+
+def test_inverse_cdf_never_picks_a_token_of_zero_mass_at_the_extremes():
+    probs = torch.zeros(4, 600)
+    probs[:, 300:310] = 0.1  # mass only in the middle of the second chunk
+    largest_below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item()
+    picked = Sampler._inverse_cdf(probs, torch.tensor([0.0, 1e-9, 1 - 1e-7, largest_below_one]))
+    assert picked.tolist() == [300, 300, 309, 309]
+    # A chunk's sum and the last entry of its cumsum round differently: u near 1 must still land
+    # on a token of that chunk with mass, not past it.
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(256, 256, generator=gen) ** 4
+    probs[:, 200:] = 0
+    picked = Sampler._inverse_cdf(probs, torch.full((256,), largest_below_one))
+    assert (picked < 200).all()

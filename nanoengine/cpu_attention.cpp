@@ -19,6 +19,7 @@
 //   decode        q, out T [batch, num_heads, HEAD_DIM]
 //   prefill       q, out T [num_tokens, num_heads, HEAD_DIM], sequence b's queries at rows
 //                 cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1, the last of them at position seqlens[b] - 1
+// except that q's tokens are q_stride elements apart: q is a view into the qkv projection's output.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -107,9 +108,9 @@ static void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t
 // One task per sequence, shared out over as many OpenMP threads as torch uses (sequences differ
 // in length, hence the dynamic schedule). libgomp is the one torch loaded, so the threads are its.
 template <typename T>
-static void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table, const int32_t* seqlens,
-                   T* out, int batch, int max_blocks, int block_size, int num_heads, int num_kv_heads, float scale,
-                   int num_threads) {
+static void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
+                   const int32_t* seqlens, T* out, int batch, int max_blocks, int block_size, int num_heads,
+                   int num_kv_heads, float scale, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> scores;  // per thread, reused across its sequences
@@ -119,7 +120,7 @@ static void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t
       if (seqlens[i] == 0)  // a padded batch row: zeros, as flash-attn gives
         std::fill(o, o + num_heads * D, T(0));
       else
-        attend(q + size_t(i) * num_heads * D, k_cache, v_cache, block_table + size_t(i) * max_blocks, seqlens[i],
+        attend(q + i * q_stride, k_cache, v_cache, block_table + size_t(i) * max_blocks, seqlens[i],
                block_size, num_heads, num_kv_heads, scale, scores, o);
     }
   }
@@ -128,9 +129,9 @@ static void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t
 // Prefill: the queries of one sequence that share one kv head, against that head's keys. Its rows
 // are (query i, head g of the kv head's group), i-major, so every row of a tile reads the same keys.
 template <typename T>
-static void prefill_head(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int q_start, int lq,
-                         int seqlen, int block_size, int num_heads, int num_kv_heads, float scale, bool causal,
-                         int kv_head, T* out, std::vector<float>& keys, std::vector<float>& values,
+static void prefill_head(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* blocks,
+                         int q_start, int lq, int seqlen, int block_size, int num_heads, int num_kv_heads, float scale,
+                         bool causal, int kv_head, T* out, std::vector<float>& keys, std::vector<float>& values,
                          std::vector<float>& scores) {
   constexpr int ROWS = 16;
   const int group = num_heads / num_kv_heads;
@@ -151,7 +152,7 @@ static void prefill_head(const T* q, const T* k_cache, const T* v_cache, const i
     for (int r = 0; r < ROWS; r++) {
       const int row = row0 + std::min(r, rows - 1), i = row / group, head = kv_head * group + row % group;
       if (r < rows)
-        for (int d = 0; d < D; d++) qf[r][d] = to_float(q[(size_t(q_start + i) * num_heads + head) * D + d]) * scale;
+        for (int d = 0; d < D; d++) qf[r][d] = to_float(q[(q_start + i) * q_stride + head * D + d]) * scale;
       last_key[r] = causal ? seqlen - lq + i : seqlen - 1;
     }
     // Scores of the whole tile, KEYS keys at a time: ROWS vectors of KEYS scores stay in registers.
@@ -189,7 +190,7 @@ static void prefill_head(const T* q, const T* k_cache, const T* v_cache, const i
 
 // One task per (sequence, kv head); tasks differ in size with the square of the length.
 template <typename T>
-static void prefill(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table,
+static void prefill(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
                     const int32_t* cu_seqlens_q, const int32_t* seqlens, T* out, int batch, int max_blocks,
                     int block_size, int num_heads, int num_kv_heads, float scale, int causal, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
@@ -198,7 +199,7 @@ static void prefill(const T* q, const T* k_cache, const T* v_cache, const int32_
 #pragma omp for schedule(dynamic) collapse(2)
     for (int b = 0; b < batch; b++)
       for (int h = 0; h < num_kv_heads; h++)
-        prefill_head(q, k_cache, v_cache, block_table + size_t(b) * max_blocks, cu_seqlens_q[b],
+        prefill_head(q, q_stride, k_cache, v_cache, block_table + size_t(b) * max_blocks, cu_seqlens_q[b],
                      cu_seqlens_q[b + 1] - cu_seqlens_q[b], seqlens[b], block_size, num_heads, num_kv_heads, scale,
                      causal, h, out, keys, values, scores);
   }
@@ -206,28 +207,30 @@ static void prefill(const T* q, const T* k_cache, const T* v_cache, const int32_
 
 // The entry points ctypes calls: each kernel for bfloat16 (T = uint16_t) and for float32.
 extern "C" {
-void decode_bfloat16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* block_table,
-                     const int32_t* seqlens, uint16_t* out, int batch, int max_blocks, int block_size, int num_heads,
-                     int num_kv_heads, float scale, int num_threads) {
-  decode(q, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, block_size, num_heads, num_kv_heads,
-         scale, num_threads);
+void decode_bfloat16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache, const uint16_t* v_cache,
+                     const int32_t* block_table, const int32_t* seqlens, uint16_t* out, int batch, int max_blocks,
+                     int block_size, int num_heads, int num_kv_heads, float scale, int num_threads) {
+  decode(q, q_stride, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, block_size, num_heads,
+         num_kv_heads, scale, num_threads);
 }
-void decode_float32(const float* q, const float* k_cache, const float* v_cache, const int32_t* block_table,
-                    const int32_t* seqlens, float* out, int batch, int max_blocks, int block_size, int num_heads,
-                    int num_kv_heads, float scale, int num_threads) {
-  decode(q, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, block_size, num_heads, num_kv_heads,
-         scale, num_threads);
+void decode_float32(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+                    const int32_t* block_table, const int32_t* seqlens, float* out, int batch, int max_blocks,
+                    int block_size, int num_heads, int num_kv_heads, float scale, int num_threads) {
+  decode(q, q_stride, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, block_size, num_heads,
+         num_kv_heads, scale, num_threads);
 }
-void prefill_bfloat16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* block_table,
-                      const int32_t* cu_seqlens_q, const int32_t* seqlens, uint16_t* out, int batch, int max_blocks,
-                      int block_size, int num_heads, int num_kv_heads, float scale, int causal, int num_threads) {
-  prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens, out, batch, max_blocks, block_size, num_heads,
-          num_kv_heads, scale, causal, num_threads);
+void prefill_bfloat16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache, const uint16_t* v_cache,
+                      const int32_t* block_table, const int32_t* cu_seqlens_q, const int32_t* seqlens, uint16_t* out,
+                      int batch, int max_blocks, int block_size, int num_heads, int num_kv_heads, float scale,
+                      int causal, int num_threads) {
+  prefill(q, q_stride, k_cache, v_cache, block_table, cu_seqlens_q, seqlens, out, batch, max_blocks, block_size,
+          num_heads, num_kv_heads, scale, causal, num_threads);
 }
-void prefill_float32(const float* q, const float* k_cache, const float* v_cache, const int32_t* block_table,
-                     const int32_t* cu_seqlens_q, const int32_t* seqlens, float* out, int batch, int max_blocks,
-                     int block_size, int num_heads, int num_kv_heads, float scale, int causal, int num_threads) {
-  prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens, out, batch, max_blocks, block_size, num_heads,
-          num_kv_heads, scale, causal, num_threads);
+void prefill_float32(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+                     const int32_t* block_table, const int32_t* cu_seqlens_q, const int32_t* seqlens, float* out,
+                     int batch, int max_blocks, int block_size, int num_heads, int num_kv_heads, float scale,
+                     int causal, int num_threads) {
+  prefill(q, q_stride, k_cache, v_cache, block_table, cu_seqlens_q, seqlens, out, batch, max_blocks, block_size,
+          num_heads, num_kv_heads, scale, causal, num_threads);
 }
 }

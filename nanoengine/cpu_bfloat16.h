@@ -17,3 +17,10 @@ static inline void store(float x, uint16_t* out) {  // to bfloat16, rounding to 
   std::memcpy(&bits, &x, sizeof x);
   *out = uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
+// x rounded to T and read back: the value a torch op computing in T would have stored.
+template <typename T>
+static inline float round_to(float x) {
+  T t;
+  store(x, &t);
+  return to_float(t);
+}

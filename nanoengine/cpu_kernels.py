@@ -22,7 +22,7 @@ import xxhash
 
 from nanoengine.attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
 from nanoengine.store_kvcache import store_kvcache_torch
-from nanoengine.layers import RMSNorm, SiluAndMul
+from nanoengine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 
 _HEADER = Path(__file__).with_name("cpu_bfloat16.h")
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}  # a kernel for each
@@ -62,13 +62,18 @@ def _load(source: str, head_dim: int | None = None) -> ctypes.CDLL | None:
         return None
 
 
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x ``[..., heads, head_dim]`` as the kernels read it: each token's heads side by side, tokens
+    ``x.stride(0)`` apart. Views into the qkv projection's output already are; others are copied."""
+    return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
+
+
 def store_kvcache_cpu(key, value, k_cache, v_cache, slot_mapping) -> None:
     """``store_kvcache`` on CPU, one C++ call per layer (torch needs five ops, one of them a sync)."""
-    head_dim = k_cache.shape[-1]
-    library = _load("cpu_attention.cpp", head_dim)
-    rows_contiguous = all(t.stride(-1) == 1 and t.stride(-2) == head_dim for t in (key, value))
-    if library is None or not rows_contiguous or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    library = _load("cpu_attention.cpp", k_cache.shape[-1])
+    if library is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping)
+    key, value = _heads_contiguous(key), _heads_contiguous(value)
     size, slots = key.element_size(), slot_mapping.long().contiguous()  # slots must outlive the call
     library.store_kvcache(
         ctypes.c_void_p(key.data_ptr()), ctypes.c_void_p(value.data_ptr()),
@@ -94,13 +99,13 @@ def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         # are its own rows, cu_seqlens_k[i], cu_seqlens_k[i] + 1, ...
         block_table = cu_seqlens_k[:-1, None] + torch.arange(max_seqlen_k, device=q.device, dtype=torch.int32)
         k, v = k.unsqueeze(1), v.unsqueeze(1)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty_like(q)
+    q, k, v = _heads_contiguous(q), k.contiguous(), v.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     tables, cu_q = block_table.int().contiguous(), cu_seqlens_q.int().contiguous()
     seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).int().contiguous()
     pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q, k, v, tables, cu_q, seqlens, out)]
     getattr(library, "prefill_" + _DTYPES[q.dtype])(
-        *pointers, len(seqlens), tables.shape[1], k.shape[1], num_heads, k.shape[2],
+        pointers[0], ctypes.c_int64(q.stride(0)), *pointers[1:], len(seqlens), tables.shape[1], k.shape[1], num_heads, k.shape[2],
         ctypes.c_float(softmax_scale or head_dim ** -0.5), int(causal), torch.get_num_threads())
     return out
 
@@ -116,12 +121,12 @@ def flash_attn_with_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, block_table,
     library = _load("cpu_attention.cpp", head_dim) if ok else None
     if library is None:
         return flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal)
-    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
-    out = torch.empty_like(q)
+    q, k_cache, v_cache = _heads_contiguous(q), k_cache.contiguous(), v_cache.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     tables, seqlens = block_table.int().contiguous(), cache_seqlens.int().contiguous()
     pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q, k_cache, v_cache, tables, seqlens, out)]
     getattr(library, "decode_" + _DTYPES[q.dtype])(
-        *pointers, batch, tables.shape[1], k_cache.shape[1], num_heads, k_cache.shape[2],
+        pointers[0], ctypes.c_int64(q.stride(0)), *pointers[1:], batch, tables.shape[1], k_cache.shape[1], num_heads, k_cache.shape[2],
         ctypes.c_float(softmax_scale or head_dim ** -0.5), torch.get_num_threads())
     return out
 
@@ -147,12 +152,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """``RotaryEmbedding.forward`` in one pass over q and k, rotating them in place (cpu_layers.cpp)."""
+    q, k, positions = _heads_contiguous(q), _heads_contiguous(k), positions.long().contiguous()
+    getattr(_load("cpu_layers.cpp"), "rotary_" + _DTYPES[q.dtype])(
+        ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(k.data_ptr()), ctypes.c_int64(q.stride(0)),
+        ctypes.c_int64(k.stride(0)), q.shape[-2], k.shape[-2], q.shape[-1], ctypes.c_void_p(positions.data_ptr()),
+        ctypes.c_void_p(cos_sin_cache.data_ptr()), len(positions), torch.get_num_threads())
+    return q, k
+
+
 def use_cpu_layer_kernels(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Point the model's RMSNorms and SiLU-and-muls at the kernels above, if they build for ``dtype``."""
+    """Point the model's RMSNorms, SiLU-and-muls and rotary embedding at the kernels above, if they
+    build for ``dtype``."""
     if dtype not in _DTYPES or _load("cpu_layers.cpp") is None:
         return
+    kernels = {RMSNorm: add_rms_norm, SiluAndMul: silu_and_mul, RotaryEmbedding: rotary}
     for module in model.modules():
-        if isinstance(module, RMSNorm):
-            module.kernel = add_rms_norm
-        elif isinstance(module, SiluAndMul):
-            module.kernel = silu_and_mul
+        if type(module) in kernels:
+            module.kernel = kernels[type(module)]

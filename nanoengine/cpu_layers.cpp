@@ -1,6 +1,6 @@
-// The decoder's element-wise ops on CPU, each one pass over its rows: vLLM's fused_add_rms_norm
-// and silu_and_mul. torch runs them as 8 and 3 small ops; at decode batch sizes each op costs
-// more to launch than to compute, and in prefill each is a pass over memory.
+// The decoder's element-wise ops on CPU, each one pass over its rows: vLLM's fused_add_rms_norm,
+// silu_and_mul and rotary_embedding. torch runs them as 8, 3 and 11 small ops; at decode batch
+// sizes each op costs more to launch than to compute, and in prefill each is a pass over memory.
 //
 // nanoengine/cpu_kernels.py compiles this file on first use and calls it through ctypes. T is
 // bfloat16 (as its bits) or float; x, residual and out are contiguous [rows, cols].
@@ -31,11 +31,8 @@ static void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int r
     }
     const float rms_inverse = 1.f / std::sqrt(sum_squares / cols + eps);
     const T* normalised = ri ? ri : xi;
-    for (int j = 0; j < cols; j++) {
-      T n;
-      store(to_float(normalised[j]) * rms_inverse, &n);
-      store(to_float(weight[j]) * to_float(n), out + size_t(i) * cols + j);
-    }
+    for (int j = 0; j < cols; j++)
+      store(to_float(weight[j]) * round_to<T>(to_float(normalised[j]) * rms_inverse), out + size_t(i) * cols + j);
   }
 }
 
@@ -49,11 +46,41 @@ static void silu_and_mul(const T* x, T* out, int rows, int cols, int num_threads
     const T* up = gate + cols;
     for (int j = 0; j < cols; j++) {
       const float g = to_float(gate[j]);
-      T silu;
-      store(g / (1.f + std::exp(-g)), &silu);
-      store(to_float(silu) * to_float(up[j]), out + size_t(i) * cols + j);
+      store(round_to<T>(g / (1.f + std::exp(-g))) * to_float(up[j]), out + size_t(i) * cols + j);
     }
   }
+}
+
+// Rotary embedding, in place: every head of token i turns by angle positions[i]. Each row of
+// cos_sin_cache (float32) is [c, c, -s, s], so that with x = [x1, x2] the result [x1 c - x2 s,
+// x2 c + x1 s] is x * cos + [x2, x1] * sin. cos and sin are rounded to T first, and each product
+// and the sum after, as HF's ops round them. A token's heads are contiguous, tokens `stride` apart
+// (q and k are views into the qkv projection's output).
+template <typename T>
+static void rotate(T* x, int64_t stride, int heads, int head_dim, const int64_t* positions, const float* cos_sin_cache,
+                   int tokens, int num_threads) {
+  const int half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (size_t(tokens) * heads * head_dim >= (1 << 16))
+  for (int i = 0; i < tokens; i++) {
+    const float* cos = cos_sin_cache + positions[i] * 2 * head_dim;
+    const float* sin = cos + head_dim;
+    for (int h = 0; h < heads; h++) {
+      T* x1 = x + i * stride + h * head_dim;
+      T* x2 = x1 + half;
+      for (int j = 0; j < half; j++) {
+        const float a = to_float(x1[j]), b = to_float(x2[j]);
+        store(round_to<T>(a * round_to<T>(cos[j])) + round_to<T>(b * round_to<T>(sin[j])), x1 + j);
+        store(round_to<T>(b * round_to<T>(cos[half + j])) + round_to<T>(a * round_to<T>(sin[half + j])), x2 + j);
+      }
+    }
+  }
+}
+
+template <typename T>
+static void rotary(T* q, T* k, int64_t q_stride, int64_t k_stride, int q_heads, int k_heads, int head_dim,
+                   const int64_t* positions, const float* cos_sin_cache, int tokens, int num_threads) {
+  rotate(q, q_stride, q_heads, head_dim, positions, cos_sin_cache, tokens, num_threads);
+  rotate(k, k_stride, k_heads, head_dim, positions, cos_sin_cache, tokens, num_threads);
 }
 
 // The entry points ctypes calls: each kernel for bfloat16 (T = uint16_t) and for float32.
@@ -71,5 +98,13 @@ void silu_and_mul_bfloat16(const uint16_t* x, uint16_t* out, int rows, int cols,
 }
 void silu_and_mul_float32(const float* x, float* out, int rows, int cols, int num_threads) {
   silu_and_mul(x, out, rows, cols, num_threads);
+}
+void rotary_bfloat16(uint16_t* q, uint16_t* k, int64_t q_stride, int64_t k_stride, int q_heads, int k_heads,
+                     int head_dim, const int64_t* positions, const float* cos_sin_cache, int tokens, int num_threads) {
+  rotary(q, k, q_stride, k_stride, q_heads, k_heads, head_dim, positions, cos_sin_cache, tokens, num_threads);
+}
+void rotary_float32(float* q, float* k, int64_t q_stride, int64_t k_stride, int q_heads, int k_heads, int head_dim,
+                    const int64_t* positions, const float* cos_sin_cache, int tokens, int num_threads) {
+  rotary(q, k, q_stride, k_stride, q_heads, k_heads, head_dim, positions, cos_sin_cache, tokens, num_threads);
 }
 }

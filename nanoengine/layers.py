@@ -95,10 +95,13 @@ class SiluAndMul(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (the "rotate half" layout HF's Llama and Qwen use).
 
-    cos/sin for every position up to ``max_position`` are computed once. Each step the model
-    looks up its tokens' rows once, and every layer rotates its queries and keys with them
-    (``apply_rotary``); indexing by position is what lets prefill and decode share one code path.
+    cos/sin for every position up to ``max_position`` are computed once; each call looks up its
+    tokens' rows by position, which is what lets prefill and decode share one code path. One
+    instance serves every layer. On CPU the model runner sets ``kernel`` to a C++ function that
+    rotates q and k in place in one pass (cpu_kernels.rotary); torch needs eleven small ops.
     """
+
+    kernel: Callable | None = None
 
     def __init__(self, head_dim: int, max_position: int, base: float):
         super().__init__()
@@ -109,10 +112,12 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: ``model.to(bfloat16)`` must not round the angles.
         self.cos_sin_cache = torch.cat([cos, cos, -sin, sin], dim=-1)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of every token's angles, ``[num_tokens, 1, head_dim]`` each."""
-        cos, sin = self.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k ``[num_tokens, heads, head_dim]``, each token's heads turned by its position's angles."""
+        if self.kernel is not None:
+            return self.kernel(positions, q, k, self.cos_sin_cache)
+        cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

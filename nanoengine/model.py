@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 
 from nanoengine.attention import Attention
 from nanoengine.context import Context
-from nanoengine.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from nanoengine.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -30,7 +30,7 @@ def head_dim(config: PretrainedConfig) -> int:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -47,9 +47,10 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -57,7 +58,7 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, ctx)
         return self.o_proj(out.flatten(1))
 
@@ -75,14 +76,14 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config)
+        self.self_attn = DecoderAttention(config, rotary_emb)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DecoderMLP(config)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden is the previous layer's output, residual the running sum before it (None at the
         first layer); each norm adds its input into the sum first. Returns the same pair."""
@@ -90,7 +91,7 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden, residual = self.post_attention_layernorm(self.self_attn(rope, hidden, ctx), residual)
+        hidden, residual = self.post_attention_layernorm(self.self_attn(positions, hidden, ctx), residual)
         return self.mlp(hidden), residual
 
 
@@ -98,16 +99,15 @@ class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, max_position: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        # One table of rotary angles for all layers: each step looks its positions up once.
-        self.rotary_emb = RotaryEmbedding(head_dim(config), max_position, rope_theta(config))
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        # One table of rotary angles, shared by every layer.
+        rotary_emb = RotaryEmbedding(head_dim(config), max_position, rope_theta(config))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary_emb(positions, hidden.dtype)
         for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual, ctx)
+            hidden, residual = layer(positions, hidden, residual, ctx)
         return self.norm(hidden, residual)[0]
 
 

@@ -227,3 +227,23 @@ def test_flash_attn_with_kvcache_matches_torch_reference(flash_attn, heads):
                                   extra_columns=2)
     torch.testing.assert_close(flash_attn.flash_attn_with_kvcache(*args, **kwargs),
                                flash_attn_with_kvcache_torch(*args, **kwargs), **BF16_TOL)
+
+
+def strided_view(q: torch.Tensor) -> torch.Tensor:
+    """q's values, with its tokens further apart: a view into a wider tensor, as q is a view into the
+    qkv projection's output. The gaps hold NaN, so a kernel that read them would show it."""
+    tokens = q.shape[0]
+    wide = torch.cat([q.reshape(tokens, -1), torch.full((tokens, 3 * D), float("nan"), dtype=q.dtype)], dim=1)
+    return wide[:, :q[0].numel()].view(q.shape)
+
+
+def test_cpu_kernels_read_q_through_its_token_stride():
+    assert cpu_kernels._load("cpu_attention.cpp", D) is not None
+    args, kwargs, expected = varlen_case(WITH_PREFIX, (4, 2), 4)
+    q = strided_view(args[0])
+    assert not q.is_contiguous()
+    out = flash_attn_varlen_func_cpu(q, *args[1:], **kwargs)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    args, kwargs, expected = decode_case(DECODE_LENGTHS, (4, 2), 4)
+    out = flash_attn_with_kvcache_cpu(strided_view(args[0]), *args[1:], **kwargs)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

@@ -1,5 +1,5 @@
 """The decoder's element-wise ops: the CPU kernels (cpu_layers.cpp) against the torch code they
-replace, and the residual stream they share.
+replace.
 
 The torch code is HF's arithmetic (float32 normalisation, each op rounded to the activation
 dtype), so the kernels must agree with it to the last bit or one rounding step (reductions sum
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanoengine import cpu_kernels
-from nanoengine.layers import RMSNorm, SiluAndMul
+from nanoengine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 
 ULP = {torch.bfloat16: 2 ** -7, torch.float32: 1e-5}  # bf16: one rounding step, relative
 
@@ -71,3 +71,28 @@ def test_the_model_runner_binds_the_kernels_on_cpu(tiny_models):
     norms = [m for m in modules if isinstance(m, RMSNorm)]
     assert norms and all(m.kernel is cpu_kernels.add_rms_norm for m in norms)
     assert all(m.kernel is cpu_kernels.silu_and_mul for m in modules if isinstance(m, SiluAndMul))
+    assert [m.kernel for m in modules if isinstance(m, RotaryEmbedding)] == [cpu_kernels.rotary]  # one, shared
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_kernel_matches_torch_on_views_into_the_qkv_output(dtype):
+    """The kernel rotates q and k in place inside the fused qkv tensor and leaves v alone."""
+    torch.manual_seed(0)
+    reference, fused = RotaryEmbedding(64, 512, 10000.0), RotaryEmbedding(64, 512, 10000.0)
+    fused.kernel = cpu_kernels.rotary
+    tokens, heads, kv_heads = 300, 9, 3
+    positions = torch.randint(0, 512, (tokens,))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * 64).to(dtype)
+    v_before = qkv[:, (heads + kv_heads) * 64:].clone()
+
+    def views(t):
+        q, k, _ = t.split([heads * 64, kv_heads * 64, kv_heads * 64], dim=-1)
+        return q.view(tokens, heads, 64), k.view(tokens, kv_heads, 64)
+
+    expected_q, expected_k = reference(positions, *views(qkv.clone()))
+    q, k = fused(positions, *views(qkv))
+    # bf16: the same roundings in the same order, so the same bits; float32: FMA contraction may differ by an ulp
+    tol = dict(atol=0, rtol=0) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(q, expected_q, **tol)
+    torch.testing.assert_close(k, expected_k, **tol)
+    assert torch.equal(qkv[:, (heads + kv_heads) * 64:], v_before)

@@ -1,4 +1,5 @@
-// Attention over the paged KV cache on CPU: the jobs flash-attn does on CUDA, in two kernels.
+// Attention over the paged KV cache on CPU: the jobs flash-attn does on CUDA, in two kernels, and
+// the store that writes each step's keys and values into the cache (store_kvcache, a row copy).
 //
 // Decode (flash_attn_with_kvcache) reads every cached key and value once per step and does little
 // arithmetic with them, so its cost is memory traffic. In pure torch it has to gather each

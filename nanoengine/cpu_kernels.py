@@ -21,8 +21,8 @@ import torch
 import xxhash
 
 from nanoengine.attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
-from nanoengine.store_kvcache import store_kvcache_torch
 from nanoengine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from nanoengine.store_kvcache import store_kvcache_torch
 
 _HEADER = Path(__file__).with_name("cpu_bfloat16.h")
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}  # a kernel for each
@@ -45,7 +45,8 @@ def _load(source: str, head_dim: int | None = None) -> ctypes.CDLL | None:
     flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
     flags += [f"-DHEAD_DIM={head_dim}"] if head_dim else []
     compiler = os.environ.get("CXX", "g++")
-    key = xxhash.xxh64(path.read_bytes() + _HEADER.read_bytes() + " ".join([compiler, *flags, _cpu_features()]).encode())
+    source_and_flags = path.read_bytes() + _HEADER.read_bytes() + " ".join([compiler, *flags, _cpu_features()]).encode()
+    key = xxhash.xxh64(source_and_flags)
     cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanoengine"
     library = cache_dir / f"{path.stem}_{key.hexdigest()}.so"
     try:
@@ -69,7 +70,7 @@ def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def store_kvcache_cpu(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """``store_kvcache`` on CPU, one C++ call per layer (torch needs five ops, one of them a sync)."""
+    """``store_kvcache`` on CPU: one C++ call per layer, where torch needs five ops."""
     library = _load("cpu_attention.cpp", k_cache.shape[-1])
     if library is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping)
@@ -105,8 +106,8 @@ def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).int().contiguous()
     pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q, k, v, tables, cu_q, seqlens, out)]
     getattr(library, "prefill_" + _DTYPES[q.dtype])(
-        pointers[0], ctypes.c_int64(q.stride(0)), *pointers[1:], len(seqlens), tables.shape[1], k.shape[1], num_heads, k.shape[2],
-        ctypes.c_float(softmax_scale or head_dim ** -0.5), int(causal), torch.get_num_threads())
+        pointers[0], ctypes.c_int64(q.stride(0)), *pointers[1:], len(seqlens), tables.shape[1], k.shape[1],
+        num_heads, k.shape[2], ctypes.c_float(softmax_scale or head_dim ** -0.5), int(causal), torch.get_num_threads())
     return out
 
 
@@ -126,13 +127,14 @@ def flash_attn_with_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, block_table,
     tables, seqlens = block_table.int().contiguous(), cache_seqlens.int().contiguous()
     pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q, k_cache, v_cache, tables, seqlens, out)]
     getattr(library, "decode_" + _DTYPES[q.dtype])(
-        pointers[0], ctypes.c_int64(q.stride(0)), *pointers[1:], batch, tables.shape[1], k_cache.shape[1], num_heads, k_cache.shape[2],
-        ctypes.c_float(softmax_scale or head_dim ** -0.5), torch.get_num_threads())
+        pointers[0], ctypes.c_int64(q.stride(0)), *pointers[1:], batch, tables.shape[1], k_cache.shape[1],
+        num_heads, k_cache.shape[2], ctypes.c_float(softmax_scale or head_dim ** -0.5), torch.get_num_threads())
     return out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """``RMSNorm.forward`` in one pass (cpu_layers.cpp). With a residual, the sum is written into it."""
+    assert residual is None or (residual.is_contiguous() and residual.shape == x.shape)
     x = x.contiguous()
     out = torch.empty_like(x)
     rows, cols = x.numel() // x.shape[-1], x.shape[-1]

@@ -5,7 +5,7 @@ for decode (the gather it needs instead roughly triples the step's memory traffi
 is slow at prefill's short prompts (cpu_attention.cpp), and the decoder's element-wise ops cost
 more to launch than to compute at decode batch sizes (cpu_layers.cpp). The kernels are small, so
 they are compiled with the system C++ compiler (attention for the model's head size) the first
-time a model needs them, in 1-2 s, and cached under ~/.cache/nanoengine. Without a
+time a model needs them, in about 2 s, and cached under ~/.cache/nanoengine. Without a
 compiler the engine still runs, on the pure-torch code, and says so once.
 """
 

@@ -63,13 +63,13 @@ class ModelRunner:
             self.model = CausalLM(hf_config, max_position=config.max_model_len)
         load_weights(self.model, model_path)
         self.model.to(self.dtype).eval()
-        # Prepacking uses private oneDNN ops (torch.compile's), so only where this torch build has them.
-        if (self.device.type == "cpu" and self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-            for module in self.model.modules():
-                if isinstance(module, Linear):
-                    module.prepack_for_cpu()
         if self.device.type == "cpu":
+            # Prepacking uses private oneDNN ops (torch.compile's), so only where this torch build has them.
+            if (self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+                for module in self.model.modules():
+                    if isinstance(module, Linear):
+                        module.prepack_for_cpu()
             use_cpu_layer_kernels(self.model, self.dtype)
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

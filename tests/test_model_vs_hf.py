@@ -23,7 +23,7 @@ def test_teacher_forced_logits_match_hf_through_paged_cache(arch, dtype, tiny_mo
     """A mixed-length prefill batch, then step-by-step decode through 16-token blocks.
 
     In float32 the logits match HF's within 1e-4. bf16 (the CPU default: prepacked weights, the
-    C++ decode kernel) rounds differently from HF's bf16, so it is held to HF's own accuracy: no
+    C++ kernels) rounds differently from HF's bf16, so it is held to HF's own accuracy: no
     further from HF's float32 logits than twice HF's bf16 run is.
     """
     llm = LLM(tiny_models[arch], dtype=dtype, kvcache_block_size=16, enable_prefix_caching=False)

@@ -18,10 +18,11 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import xxhash
 
 from nanoengine.attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
-from nanoengine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from nanoengine.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from nanoengine.store_kvcache import store_kvcache_torch
 
 _HEADER = Path(__file__).with_name("cpu_bfloat16.h")
@@ -164,12 +165,37 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_ca
     return q, k
 
 
-def use_cpu_layer_kernels(model: torch.nn.Module, dtype: torch.dtype) -> None:
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight ``[N, K]`` in cpu_linear.cpp's layout ``[ceil(N / 32), K / 2, 32, 2]``: strips of 32
+    output columns, each k pair's 32 x 2 values side by side; zero rows pad N to whole strips."""
+    n, k = weight.shape
+    return F.pad(weight, (0, 0, 0, -n % 32)).view(-1, 32, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int):
+    """``Linear.forward`` in bf16 by cpu_linear.cpp, over a weight from ``pack_linear_weight``."""
+    rows = x.reshape(-1, x.shape[-1])
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    out = x.new_empty(rows.shape[0], out_features)
+    _load("cpu_linear.cpp").linear_bfloat16(
+        ctypes.c_void_p(rows.data_ptr()), ctypes.c_int64(rows.stride(0)), ctypes.c_void_p(packed_weight.data_ptr()),
+        ctypes.c_void_p(bias.data_ptr() if bias is not None else None), ctypes.c_void_p(out.data_ptr()),
+        rows.shape[0], out_features, rows.shape[1], torch.get_num_threads())
+    return out.view(*x.shape[:-1], out_features)
+
+
+def use_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Point the model's RMSNorms, SiLU-and-muls and rotary embedding at the kernels above, if they
-    build for ``dtype``."""
+    build for ``dtype``; in bf16 on a CPU with AVX512-BF16, its linear layers too."""
     if dtype not in _DTYPES or _load("cpu_layers.cpp") is None:
         return
     kernels = {RMSNorm: add_rms_norm, SiluAndMul: silu_and_mul, RotaryEmbedding: rotary}
     for module in model.modules():
         if type(module) in kernels:
             module.kernel = kernels[type(module)]
+    if dtype != torch.bfloat16 or "avx512_bf16" not in _cpu_features().split() or _load("cpu_linear.cpp") is None:
+        return
+    for module in model.modules():
+        if isinstance(module, Linear) and module.in_features % 2 == 0:
+            module.packed_weight = pack_linear_weight(module.weight.detach())
+            module.weight, module.kernel = None, linear

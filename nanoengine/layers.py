@@ -41,27 +41,20 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose weight can be handed to oneDNN once, in oneDNN's own blocked layout.
+    """``nn.Linear``, which on CPU in bf16 runs a C++ kernel over a packed copy of its weight.
 
-    On CPU in bf16, oneDNN's kernels read weights in a blocked layout of their own, and a plain
-    weight is converted to it on every call. ``prepack_for_cpu`` converts once, with the ops
-    torch.compile's CPU backend uses for frozen weights. Measured on SmolLM2's 30 layers: decode
-    matmuls 10.5 -> 7.3 ms at batch 1 and 27.5 -> 22 ms at batch 64; prefill about 3% faster.
-    The plain weight is dropped, so memory does not grow (except for a tied lm_head, whose plain
-    weight is still the embedding table).
+    The model runner sets ``kernel`` (cpu_kernels.linear) and ``packed_weight``, the weight laid
+    out for that kernel to stream front to back, and drops the plain weight (a tied lm_head keeps
+    it: it is still the embedding table).
     """
 
+    kernel: Callable | None = None
     packed_weight: torch.Tensor | None = None
 
-    def prepack_for_cpu(self) -> None:
-        # 64 is the batch size oneDNN picks the layout for; 1, 64 and 512 measured the same.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
-        self.weight = None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is None:
+        if self.kernel is None:
             return super().forward(x)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return self.kernel(x, self.packed_weight, self.bias, self.out_features)
 
 
 class PackedLinear(Linear):

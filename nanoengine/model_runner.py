@@ -13,9 +13,8 @@ from transformers import PretrainedConfig
 from nanoengine.attention import Attention, get_backend
 from nanoengine.config import Config
 from nanoengine.context import Context
-from nanoengine.cpu_kernels import use_cpu_layer_kernels
+from nanoengine.cpu_kernels import use_cpu_kernels
 from nanoengine.graph_runner import DecodeGraphRunner
-from nanoengine.layers import Linear
 from nanoengine.loader import load_weights
 from nanoengine.model import CausalLM
 from nanoengine.sampler import Sampler
@@ -64,13 +63,7 @@ class ModelRunner:
         load_weights(self.model, model_path)
         self.model.to(self.dtype).eval()
         if self.device.type == "cpu":
-            # Prepacking uses private oneDNN ops (torch.compile's), so only where this torch build has them.
-            if (self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-                for module in self.model.modules():
-                    if isinstance(module, Linear):
-                        module.prepack_for_cpu()
-            use_cpu_layer_kernels(self.model, self.dtype)
+            use_cpu_kernels(self.model, self.dtype)
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = get_backend(self.device)

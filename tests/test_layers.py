@@ -1,5 +1,5 @@
-"""The decoder's element-wise ops: the CPU kernels (cpu_layers.cpp) against the torch code they
-replace.
+"""The decoder's layers on CPU: the C++ kernels (cpu_layers.cpp, cpu_linear.cpp) against the
+torch code they replace.
 
 The torch code is HF's arithmetic (float32 normalisation, each op rounded to the activation
 dtype), so the kernels must agree with it to the last bit or one rounding step (reductions sum
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanoengine import cpu_kernels
-from nanoengine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from nanoengine.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 
 ULP = {torch.bfloat16: 2 ** -7, torch.float32: 1e-5}  # bf16: one rounding step, relative
 
@@ -72,6 +72,32 @@ def test_the_model_runner_binds_the_kernels_on_cpu(tiny_models):
     assert norms and all(m.kernel is cpu_kernels.add_rms_norm for m in norms)
     assert all(m.kernel is cpu_kernels.silu_and_mul for m in modules if isinstance(m, SiluAndMul))
     assert [m.kernel for m in modules if isinstance(m, RotaryEmbedding)] == [cpu_kernels.rotary]  # one, shared
+    linears = [m for m in modules if isinstance(m, Linear)]
+    if HAS_AVX512_BF16:
+        assert linears and all(m.kernel is cpu_kernels.linear and m.weight is None for m in linears)
+
+
+HAS_AVX512_BF16 = "avx512_bf16" in cpu_kernels._cpu_features().split()
+
+
+@pytest.mark.skipif(not HAS_AVX512_BF16, reason="cpu_linear.cpp needs a CPU with AVX512-BF16")
+@pytest.mark.parametrize("rows", [0, 1, 13, 15, 41, 64, 500])  # row blocks of 14, chunks of 224
+@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (100, 64, True), (3, 1538, True)])
+def test_linear_kernel_matches_a_float32_product_rounded_once(rows, out_features, in_features, bias):
+    """Output widths not a multiple of the 32-column strips, a bias, and x a strided view.
+
+    The kernel sums exact products of the bf16 inputs in float32 and rounds once, as oneDNN does;
+    only the order of the sums differs from a float32 product, so the results round alike
+    or one step apart.
+    """
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features).bfloat16()
+    b = torch.randn(out_features).bfloat16() if bias else None
+    x = torch.randn(rows, in_features + 8).bfloat16()[:, 5:5 + in_features]
+    expected = torch.nn.functional.linear(x.float(), weight.float(), b.float() if bias else None).bfloat16()
+    out = cpu_kernels.linear(x, cpu_kernels.pack_linear_weight(weight), b, out_features)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=ULP[torch.bfloat16])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -22,7 +22,7 @@ def hf_model(path):
 def test_teacher_forced_logits_match_hf_through_paged_cache(arch, dtype, tiny_models):
     """A mixed-length prefill batch, then step-by-step decode through 16-token blocks.
 
-    In float32 the logits match HF's within 1e-4. bf16 (the CPU default: prepacked weights, the
+    In float32 the logits match HF's within 1e-4. bf16 (the CPU default: packed weights, the
     C++ kernels) rounds differently from HF's bf16, so it is held to HF's own accuracy: no
     further from HF's float32 logits than twice HF's bf16 run is.
     """

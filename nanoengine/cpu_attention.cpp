@@ -106,6 +106,134 @@ static void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t
   for (int i = 0; i < num_heads * D; i++) store(acc[i], out + i);
 }
 
+#if defined(__AVX512BF16__) && HEAD_DIM % 32 == 0
+// The same in bfloat16 on a CPU with AVX512-BF16, whose vdpbf16ps multiplies pairs of bfloat16
+// values and adds both products to a float32 lane, reading the cache as it is stored. Both
+// passes take 16 tokens at a time, all heads, and prefetch the next 16 tokens' rows as they go.
+// q.k sums a key's 64 products in 16 lanes, and the 16 keys' lanes are then added up together
+// (sum_lanes). The values are summed in pairs of tokens, their rows interleaved so that each
+// float32 lane meets one dimension of both, against their two probabilities rounded to bfloat16
+// as flash-attn rounds them. Measured at the benchmark's batch 64, 30 layers: 12.5-12.9 ms against
+// 17.5 for the generic code (7.0 against 12.9 with the cache in L3); a decode step, 45.5 -> 42.6 ms.
+#include <immintrin.h>
+
+// Lane j of the result is the sum of the 16 lanes of a[j]: adjacent lanes first, then wider.
+static inline __m512 sum_lanes(const __m512* a) {
+  __m512 quads[4];  // quads[i], 128-bit lane L: the sums over lane L of a[4i], ..., a[4i + 3]
+  for (int i = 0; i < 4; i++) {
+    const __m512* x = a + 4 * i;
+    const __m512d ab = _mm512_castps_pd(_mm512_unpacklo_ps(x[0], x[1]) + _mm512_unpackhi_ps(x[0], x[1]));
+    const __m512d cd = _mm512_castps_pd(_mm512_unpacklo_ps(x[2], x[3]) + _mm512_unpackhi_ps(x[2], x[3]));
+    quads[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)) + _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd));
+  }
+  const __m512 q01 = _mm512_shuffle_f32x4(quads[0], quads[1], 0x88) + _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD);
+  const __m512 q23 = _mm512_shuffle_f32x4(quads[2], quads[3], 0x88) + _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD);
+  return _mm512_shuffle_f32x4(q01, q23, 0x88) + _mm512_shuffle_f32x4(q01, q23, 0xDD);
+}
+
+// The cache rows (one token's kv heads, side by side) of tokens t0 .. t0 + 15 of a sequence;
+// tokens past its end repeat its last one, so that reading them stays in bounds. This and the
+// prefetch below are forced inline: as calls they made the kernel 1.8x slower.
+#define INLINE inline __attribute__((always_inline))
+static INLINE void chunk_rows(const uint16_t* cache, const int32_t* blocks, int t0, int seqlen, int block_size,
+                       size_t slot_size, const uint16_t* rows[16]) {
+  for (int j = 0; j < 16; j++) {
+    const int t = std::min(t0 + j, seqlen - 1);
+    rows[j] = cache + (size_t(blocks[t / block_size]) * block_size + t % block_size) * slot_size;
+  }
+}
+
+static INLINE void prefetch_chunk(const uint16_t* cache, const int32_t* blocks, int t0, int seqlen, int block_size,
+                           size_t slot_size) {
+  for (int t = t0; t < std::min(t0 + 16, seqlen); t++) {
+    const char* row = reinterpret_cast<const char*>(cache + (size_t(blocks[t / block_size]) * block_size + t % block_size) * slot_size);
+    for (size_t byte = 0; byte < slot_size * sizeof(uint16_t); byte += 64) _mm_prefetch(row + byte, _MM_HINT_T0);
+  }
+}
+
+static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* blocks,
+                   int seqlen, int block_size, int num_heads, int num_kv_heads, float scale,
+                   std::vector<float>& scores, uint16_t* out) {
+  constexpr int C = D / 32;  // vectors of 32 bfloat16 per head
+  constexpr int MAX_HEADS = 64;
+  if (num_heads > MAX_HEADS)
+    return attend<uint16_t>(q, k_cache, v_cache, blocks, seqlen, block_size, num_heads, num_kv_heads, scale, scores, out);
+  const int group = num_heads / num_kv_heads, padded = (seqlen + 15) / 16 * 16;
+  const size_t slot_size = size_t(num_kv_heads) * D;
+  thread_local std::vector<uint16_t> probs_buffer;
+  scores.resize(size_t(num_heads) * padded);
+  probs_buffer.resize(size_t(num_heads) * padded);
+  uint16_t* probs = probs_buffer.data();  // bfloat16, zero past seqlen
+  __m512 acc[MAX_HEADS][2 * C];           // per head: its sums, in the interleaved order below
+  float inverse_sum[MAX_HEADS];
+  const uint16_t* rows[16];
+
+  prefetch_chunk(k_cache, blocks, 0, seqlen, block_size, slot_size);
+  for (int t0 = 0; t0 < seqlen; t0 += 16) {
+    prefetch_chunk(k_cache, blocks, t0 + 16, seqlen, block_size, slot_size);
+    chunk_rows(k_cache, blocks, t0, seqlen, block_size, slot_size, rows);
+    for (int g = 0; g < num_heads; g++) {
+      const uint16_t* qg = q + g * D;
+      const int kv_head = g / group;
+      __m512 dots[16];
+      for (int j = 0; j < 16; j++) {
+        dots[j] = _mm512_setzero_ps();
+        for (int c = 0; c < C; c++)
+          dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512(qg + 32 * c),
+                                     (__m512bh)_mm512_loadu_si512(rows[j] + kv_head * D + 32 * c));
+      }
+      _mm512_storeu_ps(&scores[size_t(g) * padded + t0], sum_lanes(dots) * scale);
+    }
+  }
+
+  prefetch_chunk(v_cache, blocks, 0, seqlen, block_size, slot_size);
+  for (int g = 0; g < num_heads; g++) {
+    float* s = &scores[size_t(g) * padded];
+    const float max = *std::max_element(s, s + seqlen);
+    float sum = 0.f;
+    for (int t = 0; t < seqlen; t++) sum += s[t] = std::exp(s[t] - max);
+    std::fill(s + seqlen, s + padded, 0.f);
+    inverse_sum[g] = 1.f / sum;
+    std::fill(acc[g], acc[g] + 2 * C, _mm512_setzero_ps());
+    for (int t = 0; t < padded; t += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&probs[size_t(g) * padded + t]),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + t)));
+  }
+
+  for (int t0 = 0; t0 < seqlen; t0 += 16) {
+    prefetch_chunk(v_cache, blocks, t0 + 16, seqlen, block_size, slot_size);
+    chunk_rows(v_cache, blocks, t0, seqlen, block_size, slot_size, rows);
+    for (int h = 0; h < num_kv_heads; h++)
+      for (int i = 0; i < std::min(16, seqlen - t0); i += 2) {
+        // Each 128-bit lane of unpacklo/hi holds 4 dimensions of both rows, paired:
+        // pairs[2c] dimensions 32c + 8L + 0..3 of lane L, pairs[2c + 1] dimensions 32c + 8L + 4..7.
+        __m512bh pairs[2 * C];
+        for (int c = 0; c < C; c++) {
+          const __m512i a = _mm512_loadu_si512(rows[i] + h * D + 32 * c);
+          const __m512i b = _mm512_loadu_si512(rows[i + 1] + h * D + 32 * c);
+          pairs[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+          pairs[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        }
+        for (int g = h * group; g < (h + 1) * group; g++) {
+          uint32_t p;  // the probabilities of tokens t0 + i and t0 + i + 1
+          std::memcpy(&p, &probs[size_t(g) * padded + t0 + i], sizeof p);
+          for (int c = 0; c < 2 * C; c++) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], (__m512bh)_mm512_set1_epi32(p), pairs[c]);
+        }
+      }
+  }
+
+  for (int g = 0; g < num_heads; g++)
+    for (int c = 0; c < 2 * C; c++) {
+      alignas(64) float sums[16];
+      _mm512_store_ps(sums, acc[g][c]);
+      for (int lane = 0; lane < 16; lane++) {
+        const int d = 32 * (c / 2) + 8 * (lane / 4) + 4 * (c % 2) + lane % 4;
+        store(sums[lane] * inverse_sum[g], out + g * D + d);
+      }
+    }
+}
+#endif
+
 // One task per sequence, shared out over as many OpenMP threads as torch uses (sequences differ
 // in length, hence the dynamic schedule). libgomp is the one torch loaded, so the threads are its.
 template <typename T>

@@ -247,3 +247,15 @@ def test_cpu_kernels_read_q_through_its_token_stride():
     args, kwargs, expected = decode_case(DECODE_LENGTHS, (4, 2), 4)
     out = flash_attn_with_kvcache_cpu(strided_view(args[0]), *args[1:], **kwargs)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+# The bf16 decode kernel for CPUs with AVX512-BF16 (head sizes that are a multiple of 32) reads
+# 16 tokens at a time, crossing blocks of 4, and sums values in pairs of tokens (odd lengths).
+@pytest.mark.parametrize("block_size", [4, 16, 256])
+@pytest.mark.parametrize("heads", GQA + [(9, 3)])
+def test_bf16_decode_kernel_across_blocks_and_odd_lengths(block_size, heads):
+    assert cpu_kernels._load("cpu_attention.cpp", 64) is not None
+    args, kwargs, expected = decode_case([1, 2, 15, 16, 33, 0, 100, 47], heads, block_size, extra_columns=2,
+                                         dtype=torch.bfloat16, head_dim=64)
+    out = flash_attn_with_kvcache_cpu(strided_view(args[0]), *args[1:], **kwargs)
+    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)  # bf16 output and probabilities

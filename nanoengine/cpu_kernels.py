@@ -2,8 +2,9 @@
 
 On CUDA, attention is flash-attn. On CPU, pure torch has no way to read the paged cache in place
 for decode (the gather it needs instead roughly triples the step's memory traffic), torch's SDPA
-is slow at prefill's short prompts (cpu_attention.cpp), and the decoder's element-wise ops cost
-more to launch than to compute at decode batch sizes (cpu_layers.cpp). The kernels are small, so
+is slow at prefill's short prompts (cpu_attention.cpp), the decoder's element-wise ops cost
+more to launch than to compute at decode batch sizes (cpu_layers.cpp), and torch's bf16 matmul
+reads a decode step's weights slower than memory allows (cpu_linear.cpp). The kernels are small, so
 they are compiled with the system C++ compiler (attention for the model's head size) the first
 time a model needs them, in about 2 s, and cached under ~/.cache/nanoengine. Without a
 compiler the engine still runs, on the pure-torch code, and says so once.

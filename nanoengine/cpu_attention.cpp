@@ -110,7 +110,7 @@ static void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t
 // The same in bfloat16 on a CPU with AVX512-BF16, whose vdpbf16ps multiplies pairs of bfloat16
 // values and adds both products to a float32 lane, reading the cache as it is stored. Both
 // passes take 16 tokens at a time, all heads, and prefetch the next 16 tokens' rows as they go.
-// q.k sums a key's 64 products in 16 lanes, and the 16 keys' lanes are then added up together
+// q.k sums a key's D products in 16 lanes, and the 16 keys' lanes are then added up together
 // (sum_lanes). The values are summed in pairs of tokens, their rows interleaved so that each
 // float32 lane meets one dimension of both, against their two probabilities rounded to bfloat16
 // as flash-attn rounds them. Measured at the benchmark's batch 64, 30 layers: 12.5-12.9 ms against
@@ -132,21 +132,23 @@ static inline __m512 sum_lanes(const __m512* a) {
 }
 
 // The cache rows (one token's kv heads, side by side) of tokens t0 .. t0 + 15 of a sequence;
-// tokens past its end repeat its last one, so that reading them stays in bounds. This and the
-// prefetch below are forced inline: as calls they made the kernel 1.8x slower.
+// tokens past its end repeat its last one, so that reading them stays in bounds. These helpers are
+// forced inline: as calls they made the kernel 1.8x slower.
 #define INLINE inline __attribute__((always_inline))
+static INLINE const uint16_t* row_of(const uint16_t* cache, const int32_t* blocks, int t, int block_size,
+                                     size_t slot_size) {
+  return cache + (size_t(blocks[t / block_size]) * block_size + t % block_size) * slot_size;
+}
+
 static INLINE void chunk_rows(const uint16_t* cache, const int32_t* blocks, int t0, int seqlen, int block_size,
-                       size_t slot_size, const uint16_t* rows[16]) {
-  for (int j = 0; j < 16; j++) {
-    const int t = std::min(t0 + j, seqlen - 1);
-    rows[j] = cache + (size_t(blocks[t / block_size]) * block_size + t % block_size) * slot_size;
-  }
+                              size_t slot_size, const uint16_t* rows[16]) {
+  for (int j = 0; j < 16; j++) rows[j] = row_of(cache, blocks, std::min(t0 + j, seqlen - 1), block_size, slot_size);
 }
 
 static INLINE void prefetch_chunk(const uint16_t* cache, const int32_t* blocks, int t0, int seqlen, int block_size,
-                           size_t slot_size) {
+                                  size_t slot_size) {
   for (int t = t0; t < std::min(t0 + 16, seqlen); t++) {
-    const char* row = reinterpret_cast<const char*>(cache + (size_t(blocks[t / block_size]) * block_size + t % block_size) * slot_size);
+    const char* row = reinterpret_cast<const char*>(row_of(cache, blocks, t, block_size, slot_size));
     for (size_t byte = 0; byte < slot_size * sizeof(uint16_t); byte += 64) _mm_prefetch(row + byte, _MM_HINT_T0);
   }
 }
@@ -157,7 +159,8 @@ static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
   constexpr int C = D / 32;  // vectors of 32 bfloat16 per head
   constexpr int MAX_HEADS = 64;
   if (num_heads > MAX_HEADS)
-    return attend<uint16_t>(q, k_cache, v_cache, blocks, seqlen, block_size, num_heads, num_kv_heads, scale, scores, out);
+    return attend<uint16_t>(q, k_cache, v_cache, blocks, seqlen, block_size, num_heads, num_kv_heads, scale,
+                            scores, out);
   const int group = num_heads / num_kv_heads, padded = (seqlen + 15) / 16 * 16;
   const size_t slot_size = size_t(num_kv_heads) * D;
   thread_local std::vector<uint16_t> probs_buffer;
@@ -217,7 +220,8 @@ static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
         for (int g = h * group; g < (h + 1) * group; g++) {
           uint32_t p;  // the probabilities of tokens t0 + i and t0 + i + 1
           std::memcpy(&p, &probs[size_t(g) * padded + t0 + i], sizeof p);
-          for (int c = 0; c < 2 * C; c++) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], (__m512bh)_mm512_set1_epi32(p), pairs[c]);
+          for (int c = 0; c < 2 * C; c++)
+            acc[g][c] = _mm512_dpbf16_ps(acc[g][c], (__m512bh)_mm512_set1_epi32(p), pairs[c]);
         }
       }
   }

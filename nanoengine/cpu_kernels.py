@@ -6,7 +6,7 @@ is slow at prefill's short prompts (cpu_attention.cpp), the decoder's element-wi
 more to launch than to compute at decode batch sizes (cpu_layers.cpp), and torch's bf16 matmul
 reads a decode step's weights slower than memory allows (cpu_linear.cpp). The kernels are small, so
 they are compiled with the system C++ compiler (attention for the model's head size) the first
-time a model needs them, in about 2 s, and cached under ~/.cache/nanoengine. Without a
+time a model needs them, in about 3.5 s, and cached under ~/.cache/nanoengine. Without a
 compiler the engine still runs, on the pure-torch code, and says so once.
 """
 

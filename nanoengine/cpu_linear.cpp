@@ -89,7 +89,8 @@ extern "C" void linear_bfloat16(const uint16_t* x, int64_t x_stride, const uint1
         switch (rows_per_block) {
 #define CASE(n) \
   case n: strip<n>(xm, x_stride, ws, b, o, N, K, rows, columns, prefetch); break;
-          CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14)
+          CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
+          CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14)
 #undef CASE
         }
       }

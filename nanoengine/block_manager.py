@@ -10,6 +10,13 @@ prefixes and sequences that start alike share physical blocks. Blocks are refere
 A block whose count drops to zero returns to the free pool with its hash and contents intact: a
 later prompt with the same prefix revives it, until the pool hands it out for new content
 (least recently freed first), which is when its hash entry is dropped.
+
+The one rule that keeps the cache honest: a block's hash is registered only after the step that
+writes its K/V has completed (``cache_full_blocks``, called from the scheduler's postprocess).
+A step that fails or is interrupted half-way, after writing some layers' K/V and not others,
+therefore leaves nothing behind that a later prompt could mistake for a cached prefix: its
+blocks go back to the pool unregistered. The price is that two prompts of the *same* prefill
+step that start alike both compute their common prefix; every later prompt shares it.
 """
 
 from array import array
@@ -86,9 +93,7 @@ class BlockManager:
     def allocate(self, seq: Sequence) -> None:
         """Give a waiting sequence its block table: cached blocks first, fresh ones after.
 
-        Fresh full blocks are registered right away. Their K/V is written in this very step, and
-        within each layer every token's K/V is stored before anyone attends, so a sequence later
-        in the same batch may already share them.
+        Fresh blocks stay unregistered until the step has written their K/V (``cache_full_blocks``).
         """
         assert not seq.block_table
         hits = self._cached_prefix(seq)
@@ -99,13 +104,8 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = list(hits)
         seq.num_cached_tokens = len(hits) * self.block_size
-        prefix_hash = self.blocks[hits[-1]].hash if hits else -1
-        for i in range(len(hits), seq.num_blocks):
-            block = self._take_free_block()
-            seq.block_table.append(block.block_id)
-            token_ids = seq.block(i)
-            if len(token_ids) == self.block_size:
-                prefix_hash = self._register(block, token_ids, prefix_hash)
+        for _ in range(len(hits), seq.num_blocks):
+            seq.block_table.append(self._take_free_block().block_id)
 
     def deallocate(self, seq: Sequence) -> None:
         # Tail blocks first, so a prompt's later blocks are evicted before its shared start.
@@ -128,14 +128,24 @@ class BlockManager:
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._take_free_block().block_id)
 
-    def cache_full_block(self, seq: Sequence) -> None:
-        """After a decode step: register the last block once the step has filled it with K/V."""
-        if not self.enable_prefix_caching or seq.num_tokens % self.block_size:
+    # -- after a step --------------------------------------------------------------------------
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """After a completed step: register the blocks it filled, making them prefix-cache hits.
+
+        Called before the step's new token is appended, when the K/V of all ``seq.num_tokens``
+        tokens are in the cache: after a prefill, the prompt's full blocks; after a decode step,
+        the last block once its final slot was written. Registered blocks form a prefix of the
+        block table, so the walk back from the last full block stops at the first registered one.
+        """
+        if not self.enable_prefix_caching:
             return
-        block = self.blocks[seq.block_table[-1]]
-        if block.hash == -1:
-            prev = self.blocks[seq.block_table[-2]].hash if len(seq.block_table) > 1 else -1
-            self._register(block, seq.block(len(seq.block_table) - 1), prev)
+        first = num_full = seq.num_tokens // self.block_size
+        while first > 0 and self.blocks[seq.block_table[first - 1]].hash == -1:
+            first -= 1
+        prefix_hash = self.blocks[seq.block_table[first - 1]].hash if first else -1
+        for i in range(first, num_full):
+            prefix_hash = self._register(self.blocks[seq.block_table[i]], seq.block(i), prefix_hash)
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -149,8 +159,7 @@ class BlockManager:
         return block
 
     def _register(self, block: Block, token_ids: list[int], prefix_hash: int) -> int:
-        block.hash = compute_block_hash(token_ids, prefix_hash) if self.enable_prefix_caching else -1
-        if block.hash != -1:
-            block.token_ids = list(token_ids)
-            self.hash_to_block_id[block.hash] = block.block_id
+        block.hash = compute_block_hash(token_ids, prefix_hash)
+        block.token_ids = list(token_ids)
+        self.hash_to_block_id[block.hash] = block.block_id
         return block.hash

@@ -3,9 +3,18 @@
 ``LLMEngine`` takes requests (``add_request``), advances all of them by one step at a time
 (``step``: schedule -> run the model -> postprocess), and lets a caller drop a request
 (``abort_request``). ``LLM.generate`` is the offline batch API built on those three calls.
+
+A step that raises or is interrupted (an exception in the model, Ctrl-C in a notebook) ends the
+sequences it was running, frees their blocks and re-raises; every other request, and the prefix
+cache, are as if the step had never started (the block manager registers a block only once its
+K/V are written). Ctrl-C is held back while the bookkeeping itself runs (``interrupts_deferred``),
+so it can never land between two related updates; the model's forward stays interruptible.
 """
 
+import signal
+import threading
 import time
+from contextlib import contextmanager
 
 from tqdm.auto import tqdm
 
@@ -16,6 +25,28 @@ from nanoengine.model_runner import ModelRunner
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.scheduler import Scheduler
 from nanoengine.sequence import Sequence
+
+
+@contextmanager
+def interrupts_deferred():
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until the block has finished.
+
+    Bookkeeping updates several structures in turn (queues, block tables, reference counts); a
+    KeyboardInterrupt between two of them would leave them inconsistent. Only the main thread
+    receives signals, and only a Python-level handler can be swapped, so elsewhere this is a no-op.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield
+        return
+    received = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            previous(signal.SIGINT, received[0])
 
 
 class LLMEngine:
@@ -75,13 +106,27 @@ class LLMEngine:
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
 
-    def step(self) -> tuple[list[Sequence], bool]:
-        """Advance by one model step; returns the sequences that got a token and whether it was a prefill."""
-        seqs, is_prefill = self.scheduler.schedule()
+    def step(self) -> list[Sequence]:
+        """Advance by one model step; returns the sequences that got a token (none when idle).
+
+        If the step fails, its sequences are aborted (finish_reason "abort") before the error
+        propagates: they may have been half computed, and a caller cannot tell which.
+        """
+        if self.scheduler.is_finished():
+            return []
+        with interrupts_deferred():
+            seqs, is_prefill = self.scheduler.schedule()
         num_tokens = sum(seq.num_tokens - seq.num_cached_tokens for seq in seqs) if is_prefill else len(seqs)
         start = time.perf_counter()
-        token_ids = self.model_runner.run(seqs, is_prefill)
-        self.scheduler.postprocess(seqs, token_ids, is_prefill)
+        try:
+            token_ids = self.model_runner.run(seqs, is_prefill)
+            with interrupts_deferred():
+                self.scheduler.postprocess(seqs, token_ids)
+        except BaseException:
+            with interrupts_deferred():
+                for seq in seqs:
+                    self.abort_request(seq.seq_id)
+            raise
         phase = "prefill" if is_prefill else "decode"
         self.counters[f"{phase}_steps"] += 1
         self.counters[f"{phase}_tokens"] += num_tokens
@@ -90,7 +135,7 @@ class LLMEngine:
         for seq in seqs:
             if seq.is_finished:
                 self.requests.pop(seq.seq_id, None)
-        return seqs, is_prefill
+        return seqs
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()
@@ -124,7 +169,7 @@ class LLM(LLMEngine):
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
             while any(not seq.is_finished for seq in seqs):
-                stepped, _ = self.step()
+                stepped = self.step()
                 c = self.counters
                 bar.set_postfix_str(f"prefill {c['prefill_tokens'] / max(c['prefill_seconds'], 1e-9):.0f} tok/s, "
                                     f"decode {c['decode_tokens'] / max(c['decode_seconds'], 1e-9):.0f} tok/s",
@@ -132,7 +177,8 @@ class LLM(LLMEngine):
                 bar.update(sum(s.is_finished for s in stepped))
         finally:
             bar.close()
-            for seq_id in seq_ids:  # an interrupted generate leaves nothing queued behind
-                self.abort_request(seq_id)
+            with interrupts_deferred():
+                for seq_id in seq_ids:  # an interrupted generate leaves nothing queued behind
+                    self.abort_request(seq_id)
         return [{"text": self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True),
                  "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason} for seq in seqs]

@@ -35,20 +35,7 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Pick the next step's sequences; returns them and whether the step is a prefill."""
-        scheduled, num_batched_tokens = [], 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            # Only tokens that will actually be computed count against the token budget.
-            num_new_tokens = seq.num_tokens - self.block_manager.num_cached_tokens(seq)
-            if (num_batched_tokens + num_new_tokens > self.max_num_batched_tokens
-                    or not self.block_manager.can_allocate(seq)):
-                break
-            self.block_manager.allocate(seq)
-            self.prefix_cache_hit_tokens += seq.num_cached_tokens
-            num_batched_tokens += seq.num_tokens - seq.num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(self.waiting.popleft())
-            scheduled.append(seq)
+        scheduled = self._schedule_prefill()
         if scheduled:
             return scheduled, True
 
@@ -65,6 +52,36 @@ class Scheduler:
         assert scheduled, "nothing could be scheduled: the KV cache is smaller than one sequence"
         return scheduled, False
 
+    def _schedule_prefill(self) -> list[Sequence]:
+        """Admit waiting sequences while the token budget and the free blocks allow.
+
+        All or nothing: if admitting one fails, those admitted before it in this call go back to
+        the head of the waiting queue, so a failed schedule leaves the queues as they were.
+        """
+        scheduled, num_batched_tokens = [], 0
+        try:
+            while self.waiting and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                # Only tokens that will actually be computed count against the token budget.
+                num_new_tokens = seq.num_tokens - self.block_manager.num_cached_tokens(seq)
+                if (num_batched_tokens + num_new_tokens > self.max_num_batched_tokens
+                        or not self.block_manager.can_allocate(seq)):
+                    break
+                self.block_manager.allocate(seq)
+                num_batched_tokens += num_new_tokens
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(self.waiting.popleft())
+                scheduled.append(seq)
+        except BaseException:
+            for seq in reversed(scheduled):
+                self.running.remove(seq)
+                self.block_manager.deallocate(seq)
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
+            raise
+        self.prefix_cache_hit_tokens += sum(seq.num_cached_tokens for seq in scheduled)
+        return scheduled
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.deallocate(seq)
@@ -72,11 +89,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> None:
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> None:
         """Append each sequence's new token and retire the sequences that are done."""
         for seq, token_id in zip(seqs, token_ids):
-            if not is_prefill:
-                self.block_manager.cache_full_block(seq)
+            self.block_manager.cache_full_blocks(seq)  # the step wrote their K/V: now they may be shared
             seq.append_token(token_id)
             params = seq.sampling_params
             if not params.ignore_eos and token_id in self.eos_token_ids:

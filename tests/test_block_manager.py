@@ -5,9 +5,9 @@ state machine at the end drives a BlockManager through long random runs of prefi
 steps, finishes and preemptions, side by side with a small reference model that keeps the same
 books with plain lists and a content-addressed cache, and compares the two after every step.
 
-No model runs here: a "prefill" is ``allocate`` followed by appending the token the model would
-have sampled, and a "decode step" is ``may_append`` -> (the model writes K/V) ->
-``cache_full_block`` -> ``append_token``, the order in which the scheduler calls them.
+No model runs here: a "prefill" is ``allocate`` -> (the model writes K/V) -> ``cache_full_blocks``
+-> appending the token the model would have sampled, and a "decode step" is ``may_append`` -> (the model writes K/V) ->
+``cache_full_blocks`` -> ``append_token``, the order in which the scheduler calls them.
 """
 
 from hypothesis import settings
@@ -25,10 +25,16 @@ def make_seq(token_ids: list[int], block_size: int = BS) -> Sequence:
     return Sequence(token_ids, SamplingParams(), block_size)
 
 
+def admit(bm: BlockManager, seq: Sequence) -> None:
+    """A prefill step that has run: blocks for every token, their K/V written, full ones registered."""
+    bm.allocate(seq)
+    bm.cache_full_blocks(seq)
+
+
 def prefill(bm: BlockManager, seq: Sequence, sampled: int = 99) -> None:
     """What one prefill step does to the books: blocks for every token, then one sampled token."""
     assert bm.can_allocate(seq)
-    bm.allocate(seq)
+    admit(bm, seq)
     seq.append_token(sampled)
 
 
@@ -36,7 +42,7 @@ def decode(bm: BlockManager, seq: Sequence, sampled: int = 98) -> None:
     """What one decode step does: a slot for the newest token, its K/V written, the next token."""
     assert bm.can_append(seq)
     bm.may_append(seq)
-    bm.cache_full_block(seq)
+    bm.cache_full_blocks(seq)
     seq.append_token(sampled)
 
 
@@ -67,6 +73,11 @@ def test_full_blocks_get_chained_hashes_and_partial_block_none():
     seq = make_seq(tokens)
     bm.allocate(seq)
     assert len(seq.block_table) == 3
+    # Nothing is shared before the step that writes the K/V has run: had it failed, these
+    # blocks would hold no (or half the layers') K/V.
+    assert all(bm.blocks[b].hash == -1 for b in seq.block_table) and bm.hash_to_block_id == {}
+    assert bm.num_cached_tokens(make_seq(tokens + [0])) == 0
+    bm.cache_full_blocks(seq)
     hashes = [bm.blocks[b].hash for b in seq.block_table]
     assert hashes[:2] == chain_hashes(tokens)
     assert hashes[2] == -1  # 2 of 4 slots: a partial block is never a cache entry
@@ -185,13 +196,13 @@ def test_least_recently_freed_blocks_are_reused_first():
     bm = BlockManager(6, BS)
     a, b, c = make_seq([1] * 4), make_seq([2] * 4), make_seq([3] * 4)
     for seq in (a, b, c):
-        bm.allocate(seq)  # one full, registered block each: 0, 1, 2
+        admit(bm, seq)  # one full, registered block each: 0, 1, 2
     assert [a.block_table, b.block_table, c.block_table] == [[0], [1], [2]]
     bm.deallocate(b)
     bm.deallocate(a)
     bm.deallocate(c)
     d = make_seq(list(range(100, 120)))  # five blocks of new content
-    bm.allocate(d)
+    admit(bm, d)
     assert d.block_table == [3, 4, 5, 1, 0]  # never used first, then in the order freed
     assert bm.num_cached_tokens(make_seq([3] * 4 + [0])) == 4  # freed last: still cached
     assert bm.num_cached_tokens(make_seq([1] * 4 + [0])) == 0  # reused: gone
@@ -200,10 +211,10 @@ def test_least_recently_freed_blocks_are_reused_first():
 def test_sequence_frees_its_tail_blocks_before_its_head():
     bm = BlockManager(3, BS)
     a = make_seq(list(range(12)))
-    bm.allocate(a)
+    admit(bm, a)
     bm.deallocate(a)
     b = make_seq([50, 51])
-    bm.allocate(b)  # takes the block that held a's last block
+    admit(bm, b)  # takes the block that held a's last block
     assert b.block_table == [2]
     assert bm.num_cached_tokens(make_seq(list(range(9)))) == 8  # a's first two blocks survive
 
@@ -241,7 +252,7 @@ def test_decode_takes_one_new_block_exactly_at_each_block_boundary():
         assert len(seq.block_table) * BS >= seq.num_tokens  # the newest token has a slot
         if grew:
             grew_at.append(seq.num_tokens)
-        bm.cache_full_block(seq)
+        bm.cache_full_blocks(seq)
         seq.append_token(0)
     # The token at position 8, 12, 16 (the 9th, 13th, 17th) is the first of a new block.
     assert grew_at == [9, 13, 17]
@@ -256,7 +267,7 @@ def test_decode_registers_a_block_only_once_its_kv_is_written():
     bm.may_append(seq)  # the step that writes position 7 is scheduled, but has not run yet
     assert bm.blocks[seq.block_table[1]].hash == -1
     assert bm.num_cached_tokens(make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0])) == 4
-    bm.cache_full_block(seq)  # it has run: block 1 is now full of K/V
+    bm.cache_full_blocks(seq)  # it has run: block 1 is now full of K/V
     seq.append_token(0)
     block = bm.blocks[seq.block_table[1]]
     assert block.hash == chain_hashes([1, 2, 3, 4, 5, 6, 7, 8])[1]
@@ -350,8 +361,12 @@ class ReferenceBooks:
         table = list(hits)
         for i in range(len(hits), -(-len(token_ids) // self.block_size)):
             table.append(self.take())
-            self.write(table[-1], token_ids, min((i + 1) * self.block_size, len(token_ids)))
         return table, hits
+
+    def compute_prompt(self, table: list[int], num_hits: int, token_ids: list[int]) -> None:
+        """The prefill step has run: the K/V of every token past the cached prefix is written."""
+        for i in range(num_hits, len(table)):
+            self.write(table[i], token_ids, min((i + 1) * self.block_size, len(token_ids)))
 
     def append_slot(self, table: list[int], token_ids: list[int]) -> list[int]:
         """The table with a slot for the newest token: one block longer at a block boundary."""
@@ -382,7 +397,7 @@ class BlockManagerAgainstReference(RuleBasedStateMachine):
         self.live: list[Sequence] = []  # in order of admission
         self.preempted: list[Sequence] = []
 
-    def _admit(self, seq: Sequence) -> bool:
+    def _admit(self, seq: Sequence, completes: bool = True) -> bool:
         fits = self.ref.needs_from_pool(seq.token_ids) <= len(self.ref.free)
         assert self.bm.can_allocate(seq) == fits
         if not fits:
@@ -392,7 +407,13 @@ class BlockManagerAgainstReference(RuleBasedStateMachine):
         table, hits = self.ref.prefill(seq.token_ids)
         assert seq.block_table == table, "wrong hits, or free blocks not reused least recently freed first"
         assert seq.num_cached_tokens == cached_before == len(hits) * self.block_size < seq.num_tokens
+        self.every_cache_entry_matches_its_blocks_contents()  # nothing registered before K/V is written
         self.live.append(seq)
+        if completes:
+            self.ref.compute_prompt(table, len(hits), seq.token_ids)
+            self.bm.cache_full_blocks(seq)
+        else:  # a step that fails may have written any part of its blocks; the engine aborts them
+            self._finish(seq)
         return True
 
     @rule(which=st.integers(0, 2), prefix_len=st.integers(0, 16), tail=tokens_st, sampled=st.integers(0, 2))
@@ -402,6 +423,14 @@ class BlockManagerAgainstReference(RuleBasedStateMachine):
             seq = Sequence(prompt, SamplingParams(), self.block_size)
             if self._admit(seq):
                 seq.append_token(sampled)
+
+    @rule(which=st.integers(0, 2), prefix_len=st.integers(0, 16), tail=tokens_st)
+    def arrive_and_fail(self, which, prefix_len, tail):
+        """A prefill step that raises (or is interrupted) after allocating: its blocks must not
+        become cache hits, since their K/V may be missing or half written."""
+        prompt = (self.prefixes[which % len(self.prefixes)][:prefix_len] + tail)[:self.max_len]
+        if prompt:
+            self._admit(Sequence(prompt, SamplingParams(), self.block_size), completes=False)
 
     @rule(index=st.integers(0, 99), sampled=st.integers(0, 2))
     def decode_step(self, index, sampled):
@@ -420,7 +449,7 @@ class BlockManagerAgainstReference(RuleBasedStateMachine):
         assert seq.block_table == table
         self.every_cache_entry_matches_its_blocks_contents()  # nothing registered before K/V is written
         self.ref.write(table[-1], seq.token_ids, seq.num_tokens)
-        self.bm.cache_full_block(seq)
+        self.bm.cache_full_blocks(seq)
         seq.append_token(sampled)
 
     @rule(index=st.integers(0, 99))

@@ -37,9 +37,9 @@ def decoding_engine(model: str, num_seqs: int, **kwargs):
     for i in range(num_seqs):
         prompt = torch.randint(0, engine.vocab_size, (1 + 3 * i,), generator=gen).tolist()
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    _, is_prefill = engine.step()
-    seqs, is_prefill_again = engine.scheduler.schedule()
-    assert is_prefill and not is_prefill_again and len(seqs) == num_seqs
+    assert len(engine.step()) == num_seqs  # the prefill
+    seqs, is_prefill = engine.scheduler.schedule()
+    assert not is_prefill and len(seqs) == num_seqs
     return engine, seqs
 
 

@@ -96,7 +96,7 @@ def add(scheduler: Scheduler, prompt: list[int], max_tokens: int = 16, ignore_eo
 
 def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[list[Sequence], bool]:
     seqs, is_prefill = scheduler.schedule()
-    scheduler.postprocess(seqs, runner.run(seqs, is_prefill), is_prefill)
+    scheduler.postprocess(seqs, runner.run(seqs, is_prefill))
     return seqs, is_prefill
 
 
@@ -368,7 +368,7 @@ def drive(config: dict, requests: list[Request]) -> Scheduler:
             preempted = running[len(kept):]
             assert list(scheduler.waiting) == preempted + waiting  # back at the head, oldest first
             assert scheduler.num_preemptions == preemptions_before + len(preempted)
-        scheduler.postprocess(batch, runner.run(batch, is_prefill), is_prefill)
+        scheduler.postprocess(batch, runner.run(batch, is_prefill))
         for seq in batch:
             assert not seq.is_finished or (seq.block_table == [] and seq not in scheduler.running)
         check_books(scheduler, runner)

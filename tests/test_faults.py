@@ -1,0 +1,138 @@
+"""A step that raises or is interrupted, at any point, leaves the engine as good as a fresh one.
+
+Faults are injected at each stage of a step (scheduling, input preparation, the forward at a
+layer, sampling, postprocessing), and Ctrl-C arrives at random moments of a long ``generate``.
+Afterwards no block may be in use and the same prompts must give a fresh engine's tokens: in
+particular, no block whose K/V the failed step never wrote may be served from the prefix cache.
+"""
+
+import _thread
+import random
+import threading
+import time
+
+import pytest
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.sequence import Sequence
+
+# Prompts that share a 13-token prefix (three blocks of 4), so a poisoned cache would be read.
+PREFIX = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
+PROMPTS = [PREFIX + [30 + i, 40 + i, 50 + i] for i in range(4)]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+class Fault(Exception):
+    pass
+
+
+def make_llm(model: str) -> LLM:
+    return LLM(model, device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models) -> list[list[int]]:
+    return [out["token_ids"] for out in make_llm(tiny_models["llama"]).generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def raise_on_call(n: int, fn=None):
+    """A stand-in for ``fn`` that raises on its n-th call (1-based) and otherwise calls through."""
+    calls = [0]
+
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            raise Fault(f"injected on call {n}")
+        return fn(*args, **kwargs) if fn is not None else None
+    return wrapper
+
+
+def inject(llm: LLM, where: str, n: int, monkeypatch) -> None:
+    runner, bm = llm.model_runner, llm.block_manager
+    if where == "schedule":  # mid-admission: the first prompt is allocated, the second raises
+        monkeypatch.setattr(bm, "allocate", raise_on_call(n, bm.allocate))
+    elif where == "prepare_prefill":
+        monkeypatch.setattr(runner, "prepare_prefill", raise_on_call(n, runner.prepare_prefill))
+    elif where == "prepare_decode":
+        monkeypatch.setattr(runner, "prepare_decode", raise_on_call(n, runner.prepare_decode))
+    elif where == "forward":  # layer 0 has stored its K/V; layer 1 and later have not
+        layer = runner.model.model.layers[1]
+        monkeypatch.setattr(layer, "forward", raise_on_call(n, layer.forward))
+    elif where == "sampling":
+        monkeypatch.setattr(runner, "sampler", raise_on_call(n, runner.sampler))
+    elif where == "postprocess":  # some sequences of the step are postprocessed, the rest are not
+        monkeypatch.setattr(bm, "cache_full_blocks", raise_on_call(n, bm.cache_full_blocks))
+
+
+@pytest.mark.parametrize("where,n", [
+    ("schedule", 2), ("prepare_prefill", 1), ("prepare_decode", 3), ("forward", 1), ("forward", 4),
+    ("sampling", 1), ("sampling", 5), ("postprocess", 3), ("postprocess", 9),
+])
+def test_engine_after_a_failed_step_matches_a_fresh_one(tiny_models, expected, where, n, monkeypatch):
+    llm = make_llm(tiny_models["llama"])
+    inject(llm, where, n, monkeypatch)
+    with pytest.raises(Fault):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.stats()["kvcache_blocks_in_use"] == 0 and not llm.has_unfinished_requests()
+    monkeypatch.undo()
+    assert [out["token_ids"] for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+    assert llm.stats()["kvcache_blocks_in_use"] == 0
+
+
+def test_failed_step_ends_only_its_own_sequences(tiny_models, expected, monkeypatch):
+    """A prompt whose prefill raises is aborted; a sequence already decoding runs on unharmed."""
+    llm = make_llm(tiny_models["llama"])
+    running = llm.add_request(PROMPTS[0], GREEDY)
+    assert [seq.seq_id for seq in llm.step()] == [running]  # its prefill
+    llm.step()  # and one decode step
+    late = llm.add_request(PROMPTS[1], GREEDY)
+    monkeypatch.setattr(llm.model_runner, "prepare_prefill", raise_on_call(1))
+    with pytest.raises(Fault):
+        llm.step()  # the late prompt's prefill
+    monkeypatch.undo()
+    assert late not in llm.requests and running in llm.requests
+    seq = llm.requests[running]
+    while not seq.is_finished:
+        llm.step()
+    assert seq.completion_token_ids == expected[0]
+    assert llm.step() == [] and llm.stats()["kvcache_blocks_in_use"] == 0
+
+
+def test_step_with_nothing_to_do_returns_an_empty_list(tiny_models):
+    assert make_llm(tiny_models["llama"]).step() == []
+
+
+def test_ctrl_c_at_random_moments_of_generate_leaves_no_trace(tiny_models, expected):
+    llm = make_llm(tiny_models["llama"])
+    long_prompts = [PREFIX * 2 + [60 + i] for i in range(8)] + PROMPTS
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(long_prompts, params, use_tqdm=False)
+    duration = time.perf_counter() - start
+    rng = random.Random(0)
+    interrupted = 0
+    for _ in range(12):
+        timer = threading.Timer(rng.uniform(0, duration), _thread.interrupt_main)
+        timer.start()
+        try:
+            llm.generate(long_prompts, params, use_tqdm=False)
+            timer.cancel()
+            timer.join()
+            for _ in range(1000):  # an interrupt already on its way lands here, not after the try
+                pass
+        except KeyboardInterrupt:
+            interrupted += 1
+        timer.join()
+        assert llm.stats()["kvcache_blocks_in_use"] == 0 and not llm.has_unfinished_requests()
+        assert [out["token_ids"] for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+    assert interrupted >= 6  # most timers fire inside generate
+
+
+def test_sequence_of_an_aborted_step_is_finished_as_abort(tiny_models, monkeypatch):
+    llm = make_llm(tiny_models["llama"])
+    seq_id = llm.add_request(PROMPTS[0], GREEDY)
+    seq: Sequence = llm.requests[seq_id]
+    monkeypatch.setattr(llm.model_runner, "sampler", raise_on_call(1))
+    with pytest.raises(Fault):
+        llm.step()
+    assert seq.is_finished and seq.finish_reason == "abort" and seq.block_table == []

@@ -68,9 +68,10 @@ class PackedLinear(Linear):
             self.shard_offsets[shard_id] = (offset, size)
             offset += size
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int) -> None:
+    def shard(self, param: torch.Tensor, shard_id: str | int) -> torch.Tensor:
+        """The rows of ``param`` (weight or bias) that one checkpoint projection fills: a view."""
         offset, size = self.shard_offsets[shard_id]
-        param.data[offset:offset + size].copy_(loaded)
+        return param.data[offset:offset + size]
 
 
 class SiluAndMul(nn.Module):

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from nanoengine.block_manager import BlockManager
 from nanoengine.config import Config
-from nanoengine.loader import load_hf_config, load_tokenizer, resolve_model_path
+from nanoengine.loader import load_eos_token_ids, load_hf_config, load_tokenizer, resolve_model_path
 from nanoengine.model_runner import ModelRunner
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.scheduler import Scheduler
@@ -59,10 +59,7 @@ class LLMEngine:
         config.resolve_limits(hf_config.max_position_embeddings)
         self.model_runner = ModelRunner(config, hf_config, path)
         config.fit_to_kvcache(self.model_runner.num_kvcache_blocks, self.model_runner.block_size)
-        eos = hf_config.eos_token_id
-        eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            eos_token_ids.add(self.tokenizer.eos_token_id)
+        eos_token_ids = load_eos_token_ids(path, hf_config, self.tokenizer)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.model_runner.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -78,11 +75,12 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         else:
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        # The tokenizer's ids too: one larger than the embedding would otherwise fail the whole step.
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the model's vocabulary [0, {self.vocab_size})")
         if not token_ids:
             raise ValueError("prompt is empty")
         if len(token_ids) > self.config.max_model_len:

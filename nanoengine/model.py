@@ -17,12 +17,19 @@ from nanoengine.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, Si
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
-def rope_theta(config: PretrainedConfig) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rotary_embedding(config: PretrainedConfig, max_position: int) -> RotaryEmbedding:
+    """The config's rotary embedding: plain RoPE or Llama 3.1's "llama3" scaling; other types are refused
+    rather than run as plain RoPE, which would answer wrong past their original context."""
+    params = config.rope_parameters  # transformers>=5 fills it (rope_type, rope_theta) for every model
     rope_type = params.get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(f"rope type {rope_type!r} is not supported (only the default rotary embedding)")
-    return params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope type {rope_type!r} (config.rope_parameters) is not supported; "
+                         "supported: default, llama3")
+    llama3_scaling = {key: params[key] for key in LLAMA3_ROPE_KEYS} if rope_type == "llama3" else None
+    return RotaryEmbedding(head_dim(config), max_position, params["rope_theta"], llama3_scaling)
 
 
 def head_dim(config: PretrainedConfig) -> int:
@@ -100,7 +107,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # One table of rotary angles, shared by every layer.
-        rotary_emb = RotaryEmbedding(head_dim(config), max_position, rope_theta(config))
+        rotary_emb = rotary_embedding(config, max_position)
         self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

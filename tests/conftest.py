@@ -30,7 +30,7 @@ def tokenizer():
     return load_tokenizer(resolve_model_path(None))
 
 
-def make_tiny_model(path: str, arch: str, tokenizer, seed: int = 0) -> str:
+def make_tiny_model(path: str, arch: str, tokenizer, seed: int = 0, **config_overrides) -> str:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -41,6 +41,7 @@ def make_tiny_model(path: str, arch: str, tokenizer, seed: int = 0) -> str:
         "qwen2": lambda: Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1000000.0),
         "qwen3": lambda: Qwen3Config(**common, head_dim=32, tie_word_embeddings=False),
     }[arch]()
+    config.update(config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF zero-inits biases; random ones make the bias path observable

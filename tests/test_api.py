@@ -3,6 +3,7 @@
 import pytest
 
 from nanoengine import LLM, SamplingParams
+from tests.conftest import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,18 @@ def test_bad_prompt_raises_before_anything_is_queued(llm, prompts, match):
         llm.generate(["fine prompt"] + prompts if prompts else prompts, GREEDY, use_tqdm=False)
     assert not llm.has_unfinished_requests()
     assert_still_usable(llm)
+
+
+def test_string_whose_tokens_exceed_the_vocabulary_raises_before_anything_is_queued(tokenizer, tmp_path):
+    small = LLM(make_tiny_model(str(tmp_path / "small"), "llama", tokenizer, vocab_size=1000),
+                dtype="float32", device="cpu")
+    assert max(tokenizer.encode("The weather")) >= 1000 > max(tokenizer.encode("a b c"))
+    with pytest.raises(ValueError, match=r"\[3947\] are outside the model's vocabulary \[0, 1000\)"):
+        small.add_request("The weather", GREEDY)  # the server's path: one request, straight from a string
+    assert not small.has_unfinished_requests()
+    out = small.generate(["a b c"], GREEDY, use_tqdm=False)[0]
+    assert len(out["token_ids"]) >= 1 and all(t < 1000 for t in out["token_ids"])
+    assert small.stats()["kvcache_blocks_in_use"] == 0
 
 
 def test_sampling_params_list_must_match_prompts(llm):

@@ -5,8 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanoengine import LLM, SamplingParams
+from nanoengine.layers import RotaryEmbedding
 from nanoengine.sequence import Sequence
-from tests.conftest import TINY_ARCHS
+from tests.conftest import TINY_ARCHS, make_tiny_model
 
 PROMPT_LENS = (5, 23, 40)  # with 16-token blocks: within one block, across two, across three
 NUM_DECODE_STEPS = 20
@@ -85,6 +86,36 @@ def test_greedy_generate_matches_hf(arch, tiny_models):
     for prompt, out in zip(prompts, outputs):
         assert len(out["token_ids"]) == 24 and out["finish_reason"] == "length"
         assert_greedy_matches_hf(hf, prompt, out["token_ids"])
+
+
+# original_max_position_embeddings is small so that the scaling reaches the tiny head's frequencies:
+# with head_dim 16 one pair is kept, one blended and six slowed by the factor.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+
+
+@torch.inference_mode()
+def test_llama3_rope_scaling_greedy_matches_hf(tokenizer, tmp_path):
+    path = make_tiny_model(str(tmp_path / "llama3"), "llama", tokenizer, rope_parameters=LLAMA3_ROPE)
+    llm = LLM(path, dtype="float32", device="cpu", kvcache_block_size=16)
+    rotary = llm.model_runner.model.model.layers[0].self_attn.rotary_emb
+    plain = RotaryEmbedding(16, rotary.cos_sin_cache.shape[0], LLAMA3_ROPE["rope_theta"])
+    assert not torch.allclose(rotary.cos_sin_cache[:100], plain.cos_sin_cache[:100], atol=1e-2)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, llm.vocab_size, (n,), generator=gen).tolist() for n in (9, 40, 70)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    hf = hf_model(path)
+    for prompt, out in zip(prompts, outputs):
+        assert len(out["token_ids"]) == 24
+        assert_greedy_matches_hf(hf, prompt, out["token_ids"])
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "linear"])
+def test_unsupported_rope_type_raises_naming_it(tokenizer, tmp_path, rope_type):
+    rope = {"rope_type": rope_type, "factor": 4.0, "rope_theta": 10000.0}
+    path = make_tiny_model(str(tmp_path / rope_type), "llama", tokenizer, rope_parameters=rope)
+    with pytest.raises(ValueError, match=f"rope type '{rope_type}'"):
+        LLM(path, dtype="float32", device="cpu")
 
 
 @torch.inference_mode()

@@ -3,7 +3,9 @@
 Random token-id prompts from a seeded generator, input and output lengths uniform in their
 ranges, EOS ignored, every request submitted at once. Throughput is output tokens over the wall
 time of ``generate`` (model loading excluded). ``--compare-hf`` runs HF transformers' ``generate``
-on the same requests, in the same process and dtype, for the ratio.
+on the same requests, in the same process, dtype and device, for the ratio. ``--preset nano-vllm`` is
+nano-vllm's published setup (256 sequences, input and output lengths uniform in 100..1024;
+nano-vllm ran it with Qwen3-0.6B), the command to compare against its numbers on a GPU.
 """
 
 import argparse
@@ -26,7 +28,7 @@ def make_requests(args, vocab_size: int):
     return prompts, output_lens
 
 
-def hf_throughputs(llm: LLM, prompts, output_lens, dtype: torch.dtype) -> dict[int, float]:
+def hf_throughputs(llm: LLM, prompts, output_lens, dtype: torch.dtype, device: torch.device) -> dict[int, float]:
     """HF generate's throughput in static, left-padded batches of 8, 32 and 64.
 
     Each batch size runs the whole workload, and the caller reports the fastest. A short probe
@@ -38,18 +40,20 @@ def hf_throughputs(llm: LLM, prompts, output_lens, dtype: torch.dtype) -> dict[i
     path = resolve_model_path(llm.config.model)
     kwargs = {"gguf_file": os.path.basename(path)} if path.endswith(".gguf") else {}
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) if kwargs else path, dtype=dtype, **kwargs)
-    model.eval()
+    model.to(device).eval()
     pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
 
     def run(batch_prompts, batch_lens) -> float:
         width = max(map(len, batch_prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts], device=device)
         new = max(batch_lens)  # a static batch runs until its longest request is done
         start = time.perf_counter()
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                            do_sample=False, pad_token_id=pad)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # stop the clock when the GPU is done, not when the launches are
         return time.perf_counter() - start
 
     def seconds(bs: int) -> float:
@@ -68,6 +72,7 @@ def main():
     parser.add_argument("--max-output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the same requests")
@@ -80,7 +85,7 @@ def main():
         if not 1 <= getattr(args, lo) <= getattr(args, hi):
             parser.error(f"--{lo.replace('_', '-')} must be >= 1 and <= --{hi.replace('_', '-')}")
 
-    llm = LLM(args.model, dtype=args.dtype, enforce_eager=args.enforce_eager,
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
               max_model_len=args.max_input_len + args.max_output_len)
     prompts, output_lens = make_requests(args, llm.vocab_size)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
@@ -108,7 +113,7 @@ def main():
     print(f"Preemptions: {results['num_preemptions']}, prefix-cache hit rate: {results['prefix_cache_hit_rate']:.1%}, "
           f"peak RSS: {results['peak_rss_gib']:.2f}GiB")
     if args.compare_hf:
-        by_batch = hf_throughputs(llm, prompts, output_lens, llm.model_runner.dtype)
+        by_batch = hf_throughputs(llm, prompts, output_lens, llm.model_runner.dtype, llm.model_runner.device)
         batch = max(by_batch, key=by_batch.get)
         results.update(hf_throughput_by_batch=by_batch, hf_throughput_tok_per_s=by_batch[batch], hf_batch_size=batch,
                        speedup_vs_hf=results["throughput_tok_per_s"] / by_batch[batch])

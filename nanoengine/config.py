@@ -43,8 +43,10 @@ class Config:
             raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size must be 1 (the only value supported), got {self.tensor_parallel_size!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        # Strictly below 1: the rest is the margin for what no measurement sees (allocator rounding
+        # and fragmentation, a library's lazily allocated workspace).
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():

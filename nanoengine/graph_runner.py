@@ -8,8 +8,10 @@ bucket of batch sizes, and at run time pads a batch up to its bucket and copies 
 
 The bucketing, padding and buffers are the same on every device; only "replay" differs: a graph
 replay on CUDA, an eager forward over the same buffer views on CPU. CPU tests thus exercise the
-exact path a GPU runs, minus the graph itself.
+exact path a GPU runs, minus the graph itself. If capture fails, decode stays on that eager path.
 """
+
+import warnings
 
 import torch
 from torch import nn
@@ -58,17 +60,26 @@ class DecodeGraphRunner:
         The buffers hold slot -1 and context length 0 here, so capturing writes nothing to the KV
         cache. Graphs replay one at a time, so they can share one pool of intermediate memory;
         capturing the largest first lets every smaller graph fit inside what it already reserved.
+        A kernel that syncs with the host breaks capture (flash-attn after 2.8.3 does, in its paged
+        decode); then every bucket decodes eagerly, slower but with the same results.
         """
         pool = None
-        for batch_size in reversed(self.buckets):
-            self._forward(batch_size)  # warm-up: lazy set-up (cuBLAS handles, Triton jit) stays out of the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(batch_size)
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[batch_size] = graph
-        torch.cuda.synchronize()
+        try:
+            for batch_size in reversed(self.buckets):
+                self._forward(batch_size)  # warm-up: lazy set-up (cuBLAS handles, Triton jit) stays out of the graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(batch_size)
+                if pool is None:
+                    pool = graph.pool()
+                self.graphs[batch_size] = graph
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            self.graphs.clear()
+            warnings.warn(f"CUDA graph capture failed, so decode runs eagerly (slower, same results): {e}. "
+                          "A kernel synced with the host during capture; see the README's GPU install notes "
+                          "for a flash-attn version that does not, or pass enforce_eager=True to skip capture.",
+                          RuntimeWarning)
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:

@@ -5,6 +5,7 @@ metadata (slot mapping, cu_seqlens or context lengths, block tables), runs the m
 samples one token per sequence.
 """
 
+import contextlib
 import ctypes
 
 import torch
@@ -43,6 +44,42 @@ def keep_freed_memory_for_reuse() -> None:
         pass
 
 
+def kvcache_budget_bytes(total: int, free: int, torch_reserved: int, torch_peak: int, graph_pool: int,
+                         utilization: float) -> int:
+    """Bytes left for the KV cache on a GPU, from memory figures taken after the warm-up.
+
+    Our share is ``total * utilization``. From it come: what lives outside PyTorch's allocator
+    (``total - free - torch_reserved``: the CUDA context, library workspaces, other processes; a
+    process already using part of the GPU shrinks our share rather than being overrun), this
+    process's peak of tensors (weights plus the largest step's activations), and room for the
+    CUDA-graph pool, which is allocated after the cache because graphs capture its address.
+    """
+    outside_torch = total - free - torch_reserved
+    return int(total * utilization) - outside_torch - torch_peak - graph_pool
+
+
+def warmup_lengths(num_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
+    """Prompt lengths for the warm-up: the largest step the scheduler can form.
+
+    All ``num_tokens`` of the step's budget, in as many sequences as a step may hold (each one
+    logit row), none longer than ``max_model_len`` (the rotary table's length).
+    """
+    num_seqs = max(min(max_num_seqs, num_tokens), -(-num_tokens // max_model_len))
+    return [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Create parameters directly in ``dtype``: building in float32 and casting would hold twice
+    the weights' final size at the peak. Restored on exit, so the process's default is untouched."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def kvcache_block_size(requested: int | None, device: torch.device) -> int:
     """The KV block size: 256 on CUDA (flash-attn's paged KV needs pages of a multiple of 256), 16 on CPU."""
     block_size = requested or (256 if device.type == "cuda" else 16)
@@ -58,10 +95,10 @@ class ModelRunner:
         self.block_size = kvcache_block_size(config.kvcache_block_size, self.device)
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
-        with torch.device(self.device):
-            self.model = CausalLM(hf_config, max_position=config.max_model_len)
+        # RotaryEmbedding's angle table names float32 itself, so it stays float32 in here.
+        with torch.device(self.device), default_dtype(self.dtype):
+            self.model = CausalLM(hf_config, max_position=config.max_model_len).eval()
         load_weights(self.model, model_path)
-        self.model.to(self.dtype).eval()
         if self.device.type == "cpu":
             use_cpu_kernels(self.model, self.dtype)
         self.sampler = Sampler()
@@ -85,25 +122,27 @@ class ModelRunner:
 
     def _kvcache_blocks_for_budget(self, config: Config) -> int:
         if self.device.type == "cuda":
-            # Our share of the GPU (a fraction of its total memory) minus this process's own peak:
-            # the weights plus the activations of the largest prefill step. Other processes'
-            # memory is not ours to count; the 1 - gpu_memory_utilization left over covers what
-            # PyTorch's allocator does not see (the CUDA context, library workspaces).
             self._allocate_kvcache(1)  # a stand-in of the right shape; the warm-up's slots are -1
             torch.cuda.reset_peak_memory_stats()
-            num_tokens = config.max_num_batched_tokens or max(8192, config.max_model_len)
-            self.warmup(num_tokens, min(config.max_model_len, num_tokens))
+            weights = torch.cuda.memory_allocated()
+            num_tokens = max(config.max_num_batched_tokens or max(8192, config.max_model_len), config.max_num_seqs)
+            self.warmup(warmup_lengths(num_tokens, config.max_num_seqs, config.max_model_len))
+            peak = torch.cuda.max_memory_allocated()
+            # The graphs' pool holds the largest decode batch's activations: max_num_seqs tokens,
+            # no more than the warm-up's num_tokens, so the warm-up's activations bound it.
+            graph_pool = 0 if config.enforce_eager else peak - weights
             torch.cuda.empty_cache()  # hand the warm-up's activations back before the cache is allocated
-            total = torch.cuda.mem_get_info()[1]
-            budget = total * config.gpu_memory_utilization - torch.cuda.max_memory_allocated()
+            free, total = torch.cuda.mem_get_info()
+            budget = kvcache_budget_bytes(total, free, torch.cuda.memory_reserved(), peak, graph_pool,
+                                          config.gpu_memory_utilization)
         else:
             # Enough for every sequence at full length, within a fixed RAM budget.
             needed = config.max_num_seqs * -(-config.max_model_len // self.block_size) * self._kvcache_block_bytes()
             budget = min(CPU_KVCACHE_BYTES, needed)
         num_blocks = int(budget) // self._kvcache_block_bytes()
         if num_blocks <= 0:
-            raise ValueError("no memory is left for the KV cache: raise gpu_memory_utilization or lower "
-                             "max_num_batched_tokens")
+            raise ValueError("no memory is left for the KV cache: raise gpu_memory_utilization, lower "
+                             "max_num_batched_tokens or max_num_seqs, or free the GPU of other processes")
         return num_blocks
 
     def _allocate_kvcache(self, num_blocks: int) -> None:
@@ -117,14 +156,14 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
     @torch.inference_mode()
-    def warmup(self, num_tokens: int, seq_len: int) -> None:
-        """One forward over the largest prefill step, to measure its peak activation memory."""
-        num_seqs = num_tokens // seq_len
-        cu = torch.arange(0, num_seqs + 1, dtype=torch.int32, device=self.device) * seq_len
-        ctx = Context(True, torch.full((num_seqs * seq_len,), -1, dtype=torch.int64, device=self.device),
-                      cu, cu, seq_len, seq_len)
-        input_ids = torch.zeros(num_seqs * seq_len, dtype=torch.int64, device=self.device)
-        positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+    def warmup(self, lengths: list[int]) -> None:
+        """One prefill forward over prompts of these lengths, logits included, to measure its peak memory."""
+        cu = torch.tensor([0] + lengths, dtype=torch.int32, device=self.device).cumsum(0, dtype=torch.int32)
+        num_tokens = sum(lengths)
+        ctx = Context(True, torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+                      cu, cu, max(lengths), max(lengths))
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         self.model.compute_logits(self.model(input_ids, positions, ctx)[cu[1:] - 1])
 
     # -- per-step inputs ------------------------------------------------------------------------

@@ -248,8 +248,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--num-kvcache-blocks", type=int)
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
     args = parser.parse_args()
-    options = {k: v for k in ("max_model_len", "max_num_seqs", "num_kvcache_blocks", "dtype")
+    options = {k: v for k in ("max_model_len", "max_num_seqs", "num_kvcache_blocks", "dtype", "device")
                if (v := getattr(args, k)) is not None}
     try:
         engine = LLMEngine(args.model, **options)

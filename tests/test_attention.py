@@ -229,6 +229,54 @@ def test_flash_attn_with_kvcache_matches_torch_reference(flash_attn, heads):
                                flash_attn_with_kvcache_torch(*args, **kwargs), **BF16_TOL)
 
 
+# -- Attention.forward end to end, on a GPU: Triton store + flash-attn against the torch backend -----
+
+def attention_step(ctx_kwargs: dict, slots: list[int], num_tokens: int, heads: tuple[int, int], seed: int = 0):
+    """Run one ``Attention.forward`` with the CUDA backend and with the torch reference backend on
+    copies of the same bf16 paged cache (blocks of 256, random contents standing in for earlier
+    steps); returns (output, reference output, cache, reference cache)."""
+    from nanoengine.attention import Attention, AttentionBackend, get_backend
+    from nanoengine.context import Context
+    from nanoengine.store_kvcache import store_kvcache_torch
+    gen = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads = heads
+    q, k, v = (rand(gen, num_tokens, n, 64, device="cuda", dtype=torch.bfloat16)
+               for n in (num_heads, num_kv_heads, num_kv_heads))
+    cache = rand(gen, 2, 4, 256, num_kv_heads, 64, device="cuda", dtype=torch.bfloat16)
+    ctx = Context(slot_mapping=torch.tensor(slots, dtype=torch.int64, device="cuda"),
+                  **{name: torch.tensor(value, dtype=torch.int32, device="cuda") if isinstance(value, list) else value
+                     for name, value in ctx_kwargs.items()})
+    reference = AttentionBackend(store_kvcache_torch, flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch)
+    results = []
+    for backend, kv in ((get_backend(torch.device("cuda")), cache), (reference, cache.clone())):
+        layer = Attention(num_heads, num_kv_heads, 64)
+        layer.backend, layer.k_cache, layer.v_cache = backend, kv[0], kv[1]
+        results.append((layer(q, k, v, ctx), kv))
+    (out, kv), (expected, expected_kv) = results
+    return out, expected, kv, expected_kv
+
+
+# Sequence 0 starts in block 0; sequence 1 owns blocks 1 and 2, and with a cached prefix its first
+# 256 tokens are already in block 1.
+PREFILL = dict(is_prefill=True, cu_seqlens_q=[0, 5, 8], cu_seqlens_k=[0, 5, 8], max_seqlen_q=5, max_seqlen_k=5)
+PREFILL_WITH_PREFIX = dict(is_prefill=True, cu_seqlens_q=[0, 5, 8], cu_seqlens_k=[0, 5, 259], max_seqlen_q=5,
+                           max_seqlen_k=259, block_tables=[[0, 0], [1, 2]])
+DECODE = dict(is_prefill=False, context_lens=[6, 260, 0], block_tables=[[0, 0], [1, 2], [0, 0]])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("heads", GQA)
+@pytest.mark.parametrize("ctx, slots", [
+    (PREFILL, [0, 1, 2, 3, 4, 256, 257, 258]),
+    (PREFILL_WITH_PREFIX, [0, 1, 2, 3, 4, 512, 513, 514]),
+    (DECODE, [5, 515, -1]),  # the third row is a padded graph row: no slot, no context
+], ids=["prefill", "prefill_with_cached_prefix", "decode"])
+def test_cuda_attention_forward_matches_torch_backend(flash_attn, ctx, slots, heads):
+    out, expected, kv, expected_kv = attention_step(ctx, slots, len(slots), heads)
+    torch.testing.assert_close(out, expected, **BF16_TOL)
+    assert torch.equal(kv, expected_kv)  # the Triton store wrote exactly the reference's bytes
+
+
 def strided_view(q: torch.Tensor) -> torch.Tensor:
     """q's values, with its tokens further apart: a view into a wider tensor, as q is a view into the
     qkv projection's output. The gaps hold NaN, so a kernel that read them would show it."""

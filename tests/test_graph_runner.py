@@ -80,6 +80,23 @@ def test_runner_matches_eager_decode_and_writes_only_real_rows(tiny_models):
     check_runner_matches_eager(engine, seqs, graph_runner, dict(atol=1e-5, rtol=1.3e-6))
 
 
+def test_failed_graph_capture_warns_and_decodes_eagerly(tiny_models, monkeypatch):
+    """A kernel that syncs with the host makes capture raise; the engine must not crash on it."""
+    class FailingGraph:
+        def __init__(self):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FailingGraph)
+    engine, seqs = decoding_engine(tiny_models["llama"], max(BATCH_SIZES), dtype="float32", device="cpu",
+                                   max_model_len=64, kvcache_block_size=4)
+    runner = engine.model_runner
+    with pytest.warns(RuntimeWarning, match="graph capture failed, so decode runs eagerly.*stream is capturing"):
+        graph_runner = DecodeGraphRunner(runner.model, MAX_NUM_SEQS, 64 // 4, 64, runner.device, runner.dtype,
+                                         use_cuda_graphs=True)
+    assert not graph_runner.graphs
+    check_runner_matches_eager(engine, seqs, graph_runner, dict(atol=1e-5, rtol=1.3e-6))
+
+
 # -- on a GPU ---------------------------------------------------------------------------------------
 
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)

@@ -1,31 +1,28 @@
 """store_kvcache: every kernel writes exactly the bytes the reference writes, and nothing else.
 
-Without a GPU the Triton kernel runs under Triton's interpreter. `triton.jit` reads
-TRITON_INTERPRET when it wraps a function, and nanoengine wraps its kernel on first call, so
-setting the variable here, at collection time, is early enough whatever imported nanoengine
-first. It stays set for the rest of the session: harmless on a machine without a GPU, where
-compiled Triton cannot run anyway. With a GPU we leave it alone and test the compiled kernel.
+The Triton kernel runs twice: on CPU tensors under Triton's interpreter (everywhere), and compiled
+on a GPU (marked ``cuda``). The interpreted kernel is swapped in per test, rather than through
+TRITON_INTERPRET, so that both can run in one session on a GPU machine.
 """
-
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from nanoengine import cpu_kernels, store_kvcache
+from nanoengine.store_kvcache import store_kvcache_torch, store_kvcache_triton
 
-from nanoengine import cpu_kernels  # noqa: E402
-from nanoengine.store_kvcache import store_kvcache_torch, store_kvcache_triton  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_BLOCKS, BLOCK_SIZE, NUM_TOKENS = 6, 8, 24  # small: the interpreter is slow
 
 
-@pytest.fixture
-def store_triton():
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def triton_device(request, monkeypatch) -> str:
+    """Where the Triton store runs: interpreted on the CPU, or compiled on a GPU."""
     pytest.importorskip("triton")
-    return store_kvcache_triton
+    if request.param == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction
+        monkeypatch.setattr(store_kvcache, "_jitted_kernel",
+                            lambda: InterpretedFunction(store_kvcache._store_kvcache_kernel))
+    return request.param
 
 
 @pytest.fixture(params=["torch", "cpu_kernel"])
@@ -37,13 +34,13 @@ def store_on_cpu(request):
 
 
 def make_case(num_kv_heads: int, head_dim: int, dtype: torch.dtype, layout: str = "contiguous",
-              slot_dtype: torch.dtype = torch.int32, seed: int = 0):
+              slot_dtype: torch.dtype = torch.int32, device: str = "cpu", seed: int = 0):
     """Random caches, key/value in the given memory layout, and a slot mapping to distinct
     slots in which every fifth token is a padding row (-1)."""
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:  # cast before slicing, so views stay views
-        return torch.randn(shape, generator=gen).to(DEVICE, dtype)
+        return torch.randn(shape, generator=gen).to(device, dtype)
 
     shape = (NUM_TOKENS, num_kv_heads, head_dim)
     if layout == "contiguous":
@@ -60,7 +57,7 @@ def make_case(num_kv_heads: int, head_dim: int, dtype: torch.dtype, layout: str 
     cache_shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim)
     slot_mapping = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:NUM_TOKENS]
     slot_mapping[::5] = -1
-    return key, value, rand(*cache_shape), rand(*cache_shape), slot_mapping.to(DEVICE, slot_dtype)
+    return key, value, rand(*cache_shape), rand(*cache_shape), slot_mapping.to(device, slot_dtype)
 
 
 def store_with_python_loop(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -70,11 +67,11 @@ def store_with_python_loop(key, value, k_cache, v_cache, slot_mapping) -> None:
             v_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] = value[token]
 
 
-def assert_triton_matches_torch(store_triton, case) -> None:
+def assert_triton_matches_torch(case) -> None:
     key, value, k_cache, v_cache, slot_mapping = case
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     store_kvcache_torch(key, value, expected_k, expected_v, slot_mapping)
-    store_triton(key, value, k_cache, v_cache, slot_mapping)
+    store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
@@ -92,37 +89,37 @@ def test_cpu_stores_match_python_loop_reference(store_on_cpu, layout, slot_dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_store_matches_torch_for_non_power_of_two_heads(store_triton, dtype):
-    assert_triton_matches_torch(store_triton, make_case(3, 64, dtype))  # row of 192 values
+def test_triton_store_matches_torch_for_non_power_of_two_heads(triton_device, dtype):
+    assert_triton_matches_torch(make_case(3, 64, dtype, device=triton_device))  # row of 192 values
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_store_matches_torch_for_power_of_two_heads(store_triton, dtype):
-    assert_triton_matches_torch(store_triton, make_case(4, 32, dtype, slot_dtype=torch.int64))
+def test_triton_store_matches_torch_for_power_of_two_heads(triton_device, dtype):
+    assert_triton_matches_torch(make_case(4, 32, dtype, slot_dtype=torch.int64, device=triton_device))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["fused_qkv", "transposed"])
-def test_triton_store_matches_torch_for_non_contiguous_key_value(store_triton, layout, dtype):
-    assert_triton_matches_torch(store_triton, make_case(3, 64, dtype, layout))
+def test_triton_store_matches_torch_for_non_contiguous_key_value(triton_device, layout, dtype):
+    assert_triton_matches_torch(make_case(3, 64, dtype, layout, device=triton_device))
 
 
 def test_padding_rows_write_nothing_on_cpu(store_on_cpu):
     assert_padding_rows_write_nothing(store_on_cpu)
 
 
-def test_padding_rows_write_nothing_in_triton(store_triton):
-    assert_padding_rows_write_nothing(store_triton)
+def test_padding_rows_write_nothing_in_triton(triton_device):
+    assert_padding_rows_write_nothing(store_kvcache_triton, triton_device)
 
 
-def assert_padding_rows_write_nothing(store) -> None:
-    key, value, k_cache, v_cache, slot_mapping = make_case(3, 64, torch.float32)
+def assert_padding_rows_write_nothing(store, device: str = "cpu") -> None:
+    key, value, k_cache, v_cache, slot_mapping = make_case(3, 64, torch.float32, device=device)
     before_k, before_v = k_cache.clone(), v_cache.clone()
     store(key, value, k_cache, v_cache, torch.full_like(slot_mapping, -1))
     assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
     # With real slots too, only the named rows change: padded tokens land nowhere.
     store(key, value, k_cache, v_cache, slot_mapping)
-    untouched = torch.ones(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool, device=DEVICE)
+    untouched = torch.ones(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool, device=device)
     untouched[slot_mapping[slot_mapping >= 0].long()] = False
     assert torch.equal(k_cache.flatten(0, 1)[untouched], before_k.flatten(0, 1)[untouched])
     assert torch.equal(v_cache.flatten(0, 1)[untouched], before_v.flatten(0, 1)[untouched])

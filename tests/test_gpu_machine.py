@@ -1,0 +1,31 @@
+"""The CPU tests stay on the CPU on a machine with a GPU.
+
+A pytest run in a subprocess, with ``torch.cuda.is_available`` faked to True in every Python
+process it starts (a ``sitecustomize`` on PYTHONPATH), runs representative CPU tests: the engine
+built with ``device="auto"`` by a module-scoped fixture, the stores whose module once chose its
+device at import, graph-runner decoding, and bench.py in its own subprocess. A test that reached
+for CUDA would fail here: this torch has no CUDA, and float32 is refused on CUDA.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPRESENTATIVE = ["tests/test_api.py", "tests/test_store_kvcache.py", "tests/test_graph_runner.py",
+                  "tests/test_bench.py"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a real GPU is there: the suite itself shows this")
+def test_cpu_tests_pass_with_cuda_faked_available(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import torch\ntorch.cuda.is_available = lambda: True\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}
+    probe = [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"]
+    assert subprocess.run(probe, env=env, capture_output=True, text=True).stdout.strip() == "True"  # the fake holds
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
+                             *REPRESENTATIVE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout

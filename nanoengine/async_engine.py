@@ -6,9 +6,16 @@ runs that work between steps. It sleeps on the queue while it has no requests an
 it has any; each step's new tokens go to their request's ``asyncio.Queue`` through
 ``loop.call_soon_threadsafe``, the one safe way into an event loop from another thread.
 Continuous batching does the rest: a request added mid-flight joins the next step.
+
+Failure stays as small as it can. A step that raises has already aborted the requests it ran
+(the engine's contract), so exactly those streams get an ``EngineError`` and the rest go on. Work
+that raises reports to its caller and leaves the thread running. If the thread stops anyway,
+``error`` says why, every stream and every pending call gets an ``EngineDeadError``, and later
+calls get one at once instead of waiting for a thread that will never answer.
 """
 
 import asyncio
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -17,6 +24,16 @@ from typing import Callable
 
 from nanoengine.engine import LLMEngine
 from nanoengine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """A request failed through no fault of its own: the step running it raised."""
+
+
+class EngineDeadError(EngineError):
+    """The engine thread has stopped: nothing more can be served until the process restarts."""
 
 
 @dataclass
@@ -51,7 +68,14 @@ class RequestStream:
         """Stop generating (the caller went away or saw a stop string); frees the KV blocks. Idempotent."""
         if not self.finished:
             self.finished = True
-            self.engine._submit(lambda: self.engine._abort(self))
+            self.engine._submit(lambda: self.engine._abort(self)).add_done_callback(_log_failure)
+
+
+def _log_failure(future: Future) -> None:
+    """Report a fire-and-forget call's exception, which no caller is waiting to see."""
+    error = future.exception()  # never cancelled: nobody awaits it
+    if error is not None and not isinstance(error, EngineDeadError):  # dead: there is nothing left to abort
+        logger.error("engine work failed", exc_info=error)
 
 
 class AsyncLLMEngine:
@@ -60,8 +84,11 @@ class AsyncLLMEngine:
         # The tokenizer belongs to the event loop's thread (prompts in, text out); the engine
         # thread only ever sees token ids.
         self.tokenizer = engine.tokenizer
-        self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[Callable, Future] | None] = queue.SimpleQueue()
         self._streams: dict[int, RequestStream] = {}  # engine thread only
+        self.error: str | None = None  # why the engine thread stopped; None while it runs
+        # Held to queue work and to mark the thread stopped, so no work slips in after the last drain.
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="nanoengine", daemon=True)
         self._thread.start()
 
@@ -88,22 +115,19 @@ class AsyncLLMEngine:
         self._inbox.put(None)
         self._thread.join(timeout=10)
 
-    def _submit(self, fn: Callable[[], None]) -> None:
-        self._inbox.put(fn)
+    def _submit(self, fn: Callable) -> Future:
+        """Queue ``fn`` for the engine thread; the future gets its result, or an exception."""
+        future = Future()
+        with self._lock:
+            if self.error is None:
+                self._inbox.put((fn, future))
+            else:
+                future.set_exception(EngineDeadError(self.error))
+        return future
 
     async def _call(self, fn: Callable):
         """Run ``fn`` on the engine thread and await its result (or its exception)."""
-        future = Future()
-
-        def run():
-            if not future.set_running_or_notify_cancel():  # the awaiting caller was cancelled
-                return
-            try:
-                future.set_result(fn())
-            except Exception as e:
-                future.set_exception(e)
-        self._submit(run)
-        return await asyncio.wrap_future(future)
+        return await asyncio.wrap_future(self._submit(fn))
 
     # -- the engine thread ------------------------------------------------------------------
 
@@ -122,23 +146,46 @@ class AsyncLLMEngine:
             self._abort(stream)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+            reason = "the engine was shut down"
+        except BaseException as e:  # a bug in the loop itself: say so rather than hang every caller
+            logger.exception("the engine thread died")
+            reason = f"the engine thread died: {e!r}"
+        with self._lock:
+            self.error = reason
+        while not self._inbox.empty():  # nothing can be queued now; fail what already was
+            if (item := self._inbox.get()) is not None and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(EngineDeadError(reason))
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            self._deliver(stream, EngineDeadError(reason))
+
+    def _serve(self) -> None:
         while True:
             # Block only when idle: with requests in flight, take what has arrived and step.
             work = [self._inbox.get()] if not self.engine.has_unfinished_requests() else []
             while not self._inbox.empty():
                 work.append(self._inbox.get())
-            for fn in work:
-                if fn is None:
+            for item in work:
+                if item is None:
                     return
-                fn()
+                fn, future = item
+                if future.set_running_or_notify_cancel():  # False: the awaiting caller was cancelled
+                    try:
+                        future.set_result(fn())
+                    except Exception as e:
+                        future.set_exception(e)
             if not self.engine.has_unfinished_requests():
                 continue
             try:
-                seqs, _ = self.engine.step()
-            except Exception as e:  # a bug, not a bad request: fail every request rather than hang them
-                for stream in list(self._streams.values()):
-                    self._abort(stream)
-                    self._deliver(stream, e)
+                seqs = self.engine.step()
+            except Exception as e:
+                # The step aborted its own requests: theirs are the streams whose request is gone.
+                logger.exception("a step failed; the requests it was running are aborted")
+                for request_id in [i for i in self._streams if i not in self.engine.requests]:
+                    error = EngineError(f"the step running this request failed: {e!r}")
+                    self._deliver(self._streams.pop(request_id), error)
                 continue
             for seq in seqs:
                 stream = self._streams.get(seq.seq_id)

@@ -3,25 +3,30 @@
 FastAPI turns each request into token ids and ``SamplingParams``, hands them to the
 ``AsyncLLMEngine`` and turns the tokens that come back into text: whole, or streamed as
 server-sent events in OpenAI's chunk format. Stop strings are found here, in the text, and end
-the request early. However a streamed response ends (done, stop string, client gone), its request
-is aborted, so the KV blocks of a client that disconnects are freed at once.
+the request early. However a response ends (done, stop string, client gone), its request is
+aborted, so the KV blocks of a client that disconnects are freed at once.
+
+Errors are OpenAI's JSON: 400 for a bad request, 500 when the step running a request failed
+(in a stream: an error event, then ``[DONE]``), 503 from every endpoint, ``/health`` included,
+once the engine thread has stopped.
 """
 
 import argparse
+import asyncio
 import json
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Literal
+from typing import AsyncIterator, Awaitable, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict
 
-from nanoengine.async_engine import AsyncLLMEngine, RequestStream
+from nanoengine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, RequestStream
 from nanoengine.engine import LLMEngine
 from nanoengine.loader import DEFAULT_MODEL_FILE
 from nanoengine.sampling_params import SamplingParams
@@ -111,9 +116,37 @@ class EventStream(StreamingResponse):
             self.stream.abort()
 
 
+def error_body(message: str, error_type: str = "invalid_request_error", param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": None}}
+
+
 def error_response(message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
-                                   "code": None}}, status_code=400)
+    return JSONResponse(error_body(message, param=param), status_code=400)
+
+
+def engine_error_response(exc: EngineError) -> JSONResponse:
+    return JSONResponse(error_body(str(exc), "server_error"),
+                        status_code=503 if isinstance(exc, EngineDeadError) else 500)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[dict]) -> dict | Response:
+    """Await ``work``, cancelling it (and so aborting its request) if the client disconnects first.
+
+    FastAPI has read the body, so the next ASGI message is the disconnect: waiting for it costs
+    nothing, where polling ``request.is_disconnected()`` would need a timer.
+    """
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    work, disconnect = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait([work, disconnect], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        work.cancel()  # a no-op once it is done; otherwise its request is aborted as it unwinds
+        disconnect.cancel()
+    if work in done:
+        return work.result()
+    return Response(status_code=499)  # nginx's "client closed request": nobody is left to read it
 
 
 def sampling_params(req: _Request, max_tokens: int) -> SamplingParams:
@@ -142,11 +175,15 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
         loc = [str(x) for x in err["loc"] if x != "body"]
         return error_response(f"{'.'.join(loc) or 'body'}: {err['msg']}", loc[0] if loc else None)
 
+    @app.exception_handler(EngineError)  # a failed step (500), or the engine thread gone (503)
+    async def on_engine_error(request: Request, exc: EngineError) -> JSONResponse:
+        return engine_error_response(exc)
+
     @app.exception_handler(ValueError)  # BadRequest, SamplingParams' checks, a prompt too long...
     async def on_value_error(request: Request, exc: ValueError) -> JSONResponse:
         return error_response(str(exc), getattr(exc, "param", None))
 
-    async def generate(req: _Request, prompt_ids: list[int], max_tokens: int, chat: bool):
+    async def generate(request: Request, req: _Request, prompt_ids: list[int], max_tokens: int, chat: bool):
         params = sampling_params(req, max_tokens)
         stream = await engine.add_request(prompt_ids, params)
         text = IncrementalText(engine.tokenizer, [req.stop] if isinstance(req.stop, str) else req.stop or [])
@@ -157,7 +194,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             n = len(text.token_ids)
             return {"prompt_tokens": len(prompt_ids), "completion_tokens": n, "total_tokens": len(prompt_ids) + n}
 
-        if not req.stream:
+        async def whole() -> dict:
             try:
                 async for finish_reason, _ in deltas(stream, text):
                     pass
@@ -167,6 +204,9 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             choice.update({"message": {"role": "assistant", "content": text.text}} if chat else {"text": text.text})
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                     "usage": usage()}
+
+        if not req.stream:
+            return await unless_disconnected(request, whole())
 
         async def events() -> AsyncIterator[str]:
             obj = "chat.completion.chunk" if chat else "text_completion"
@@ -181,11 +221,15 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
 
             if chat:
                 yield chunk("", None, role=True)
-            async for finish_reason, delta in deltas(stream, text):
-                if delta or finish_reason:
-                    yield chunk(delta, finish_reason)
-            if (req.stream_options or {}).get("include_usage"):
-                yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': usage()})}\n\n"
+            try:
+                async for finish_reason, delta in deltas(stream, text):
+                    if delta or finish_reason:
+                        yield chunk(delta, finish_reason)
+            except EngineError as e:  # the status line has gone out: the error can only be an event
+                yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
+            else:
+                if (req.stream_options or {}).get("include_usage"):
+                    yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': usage()})}\n\n"
             yield "data: [DONE]\n\n"
 
         return EventStream(events(), stream)
@@ -202,13 +246,13 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
                 return
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         prompt_ids = engine.tokenize(req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
-        return await generate(req, prompt_ids, max_tokens, chat=False)
+        return await generate(request, req, prompt_ids, max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
         if not req.messages:
             raise BadRequest("messages must not be empty", "messages")
         try:
@@ -221,7 +265,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
         # Unset means "until the context is full", as OpenAI's chat API does.
         max_tokens = next((m for m in (req.max_tokens, req.max_completion_tokens) if m is not None),
                           max(1, max_model_len - len(prompt_ids)))
-        return await generate(req, prompt_ids, max_tokens, chat=True)
+        return await generate(request, req, prompt_ids, max_tokens, chat=True)
 
     @app.get("/v1/models")
     async def models():
@@ -230,6 +274,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if engine.error is not None:
+            return engine_error_response(EngineDeadError(engine.error))
         return {"status": "ok"}
 
     @app.get("/stats")

@@ -3,11 +3,15 @@ driven by the official openai client (and httpx for raw HTTP). Greedy outputs ar
 against the offline ``LLM.generate`` on the same weights."""
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 
@@ -231,3 +235,133 @@ def test_malformed_json_gets_400_and_openai_client_sees_bad_request(server, clie
         client.completions.create(model=model_name, prompt="hi", n=2)
     assert info.value.status_code == 400 and "n must be 1" in info.value.message
     assert client.completions.create(model=model_name, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+# -- failures, in a server run inside the test process so that faults can be injected into its engine --
+
+@contextmanager
+def in_process_server(model_path: str):
+    """Yields the URL of a server on 127.0.0.1 and the ``LLMEngine`` behind it."""
+    import uvicorn
+
+    from nanoengine.async_engine import AsyncLLMEngine
+    from nanoengine.engine import LLMEngine
+    from nanoengine.serve import create_app
+    engine = LLMEngine(model_path, dtype="float32", device="cpu")
+    server = uvicorn.Server(uvicorn.Config(create_app(AsyncLLMEngine(engine), "tiny"), log_level="warning"))
+    # Bound and listening before the server starts: connections wait in the backlog, no polling for startup.
+    sock = socket.create_server(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+@pytest.fixture
+def local_server(tiny_models):
+    with in_process_server(tiny_models["llama"]) as (url, engine):
+        yield url, engine
+
+
+def sse_data(response: httpx.Response) -> Iterator[str]:
+    """The data of each server-sent event, as it arrives."""
+    return (line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: "))
+
+
+def test_failed_step_fails_only_its_requests_with_an_error(local_server, tokenizer, monkeypatch):
+    url, engine = local_server
+    doomed = tokenizer.encode("a prompt whose steps fail")
+    run, in_flight_at_faults = engine.model_runner.run, []
+
+    def faulty_run(seqs, is_prefill):
+        if any(seq.token_ids[:seq.num_prompt_tokens] == doomed for seq in seqs):
+            in_flight_at_faults.append(len(engine.requests))
+            raise RuntimeError("injected fault")
+        return run(seqs, is_prefill)
+    monkeypatch.setattr(engine.model_runner, "run", faulty_run)
+
+    survivor = {"prompt": PROMPTS[0], "temperature": 0, "max_tokens": 48, "ignore_eos": True}
+    with httpx.Client(base_url=url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json={**survivor, "stream": True}) as response:
+            lines = sse_data(response)
+            events = [next(lines)]  # the survivor is running: the doomed requests join it mid-flight
+            plain = http.post("/v1/completions", json={"prompt": doomed, "max_tokens": 4})
+            streamed = http.post("/v1/completions", json={"prompt": doomed, "max_tokens": 4, "stream": True})
+            events += lines
+        assert in_flight_at_faults == [2, 2]  # each fault hit a step while the survivor was in flight
+
+        assert plain.status_code == 500
+        assert plain.json()["error"]["type"] == "server_error" and "injected fault" in plain.json()["error"]["message"]
+        assert streamed.status_code == 200
+        *chunks, error, done = sse_data(streamed)
+        assert not chunks and "injected fault" in json.loads(error)["error"]["message"] and done == "[DONE]"
+
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        alone = http.post("/v1/completions", json=survivor).json()["choices"][0]
+        assert "".join(c["text"] for c in chunks) == alone["text"] and chunks[-1]["finish_reason"] == "length"
+
+        monkeypatch.undo()
+        assert http.post("/v1/completions", json={"prompt": doomed, "max_tokens": 4}).status_code == 200
+        assert http.get("/stats").json()["kvcache_blocks_in_use"] == 0
+
+
+def test_engine_thread_that_dies_fails_requests_at_once_and_health_says_503(local_server, monkeypatch):
+    url, engine = local_server
+    with httpx.Client(base_url=url, timeout=10) as http:  # the timeout bounds any hang
+        body = {"prompt": PROMPTS[0], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = sse_data(response)
+            next(lines)
+
+            def broken() -> bool:
+                raise RuntimeError("injected loop fault")
+            monkeypatch.setattr(engine, "has_unfinished_requests", broken)  # called by the loop, not by work
+            *_, error, done = lines
+        assert "injected loop fault" in json.loads(error)["error"]["message"] and done == "[DONE]"
+
+        health = http.get("/health")
+        assert health.status_code == 503 and "injected loop fault" in health.json()["error"]["message"]
+        for stream in (False, True):
+            response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": stream})
+            assert response.status_code == 503 and "engine thread died" in response.json()["error"]["message"]
+
+
+def test_work_that_raises_on_the_engine_thread_leaves_it_serving(local_server, monkeypatch):
+    url, engine = local_server
+    abort_request, failed = engine.abort_request, threading.Event()
+
+    def abort_that_raises(request_id: int) -> None:
+        abort_request(request_id)
+        failed.set()
+        raise RuntimeError("injected abort fault")
+    monkeypatch.setattr(engine, "abort_request", abort_that_raises)
+    with httpx.Client(base_url=url, timeout=10) as http:
+        body = {"prompt": PROMPTS[0], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            next(response.iter_lines())
+        # Leaving the stream early aborts its request: the abort runs, then raises, on the engine thread.
+        assert failed.wait(timeout=10)
+        assert http.get("/health").status_code == 200
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert http.get("/stats").json()["kvcache_blocks_in_use"] == 0
+
+
+def test_non_streaming_client_that_disconnects_is_aborted(local_server):
+    url, engine = local_server
+    # A chat request with no max_tokens may run to the end of the context: only the abort can end it early.
+    body = json.dumps({"messages": [{"role": "user", "content": "Go on forever"}], "ignore_eos": True}).encode()
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 10
+        while (stats := httpx.get(f"{url}/stats", timeout=5).json())["kvcache_blocks_in_use"] == 0:
+            assert time.monotonic() < deadline, f"the request never started: {stats}"
+            time.sleep(0.05)
+    after = wait_for_idle_stats(url)
+    assert 0 < after["generated_tokens"] < engine.config.max_model_len // 2

@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from nanoengine import cpu_kernels  # noqa: E402
+from nanoengine import cpu_kernels, cpu_library  # noqa: E402
 from nanoengine.store_kvcache import store_kvcache_torch, store_kvcache_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,7 +32,7 @@ def store_triton():
 def store_on_cpu(request):
     if request.param == "torch":
         return store_kvcache_torch
-    assert cpu_kernels._load("cpu_attention.cpp", 64) is not None, "the CPU kernels did not build"
+    assert cpu_library.load("cpu_attention.cpp", 64) is not None, "the CPU kernels did not build"
     return cpu_kernels.store_kvcache_cpu
 
 

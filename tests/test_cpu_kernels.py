@@ -92,7 +92,7 @@ BAD_INPUTS = {
     "prefill: decreasing cu_seqlens": (lambda: prefill(cu_q=(0, 3, 2, 5), cu_k=(0, 3, 3, 5)), "must not decrease"),
     "prefill: more queries than keys": (lambda: prefill(cu_k=(0, 1, 5)), "more queries than keys"),
     "prefill: cu_seqlens_q not ending at q's tokens": (lambda: prefill(cu_q=(0, 2, 4)), "cu_seqlens_q must run"),
-    "prefill: a length past max_seqlen_k": (lambda: prefill(max_k=2), "cu_seqlens_k holds values"),
+    "prefill: a length past max_seqlen_k": (lambda: prefill(max_k=2), "cu_seqlens_k.s lengths holds values"),
     "prefill: a length past the block table": (
         lambda: prefill(cu_k=(0, 2, 12), table=torch.tensor([[0, 1], [2, 3]])), "cu_seqlens_k holds values"),
     "prefill: a block past the cache": (lambda: prefill(table=torch.tensor([[0, 1], [2, 7]])),

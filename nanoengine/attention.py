@@ -4,98 +4,19 @@ Each step, an attention layer first stores this step's keys and values into the 
 the slot mapping, then attends: a prefill step over variable-length sequences packed into one
 batch, a decode step with one query per sequence over its block table. The kernels have
 flash-attn's signatures and semantics. On CUDA they *are* flash-attn (and a Triton kernel for the
-store); on CPU they are small C++ kernels (cpu_kernels.py). The pure-torch functions (below, and
-``store_kvcache_torch``) are the reference every kernel is tested against, and the CPU fallback
-without a C++ compiler. The choice is made once, in ``get_backend``; the model never asks which
-device it runs on.
+store); on CPU they are small C++ kernels (cpu_kernels.py), which fall back to the pure-torch
+reference functions (torch_attention.py, ``store_kvcache_torch``) where they cannot run. The
+choice is made once, in ``get_backend``; the model never asks which device it runs on.
 """
 
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoengine.context import Context
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """Attention of one sequence: q [Lq, H, D] against k, v [Lk, Hk, D] -> [Lq, H, D].
-
-    When Lq < Lk (the first keys come from the prefix cache) the causal mask is aligned to the
-    bottom right, as in flash-attn: query i sits at position Lk - Lq + i.
-    """
-    lq, lk = q.shape[0], k.shape[0]
-    # Expand K/V to every query head: with ``enable_gqa`` torch's CPU SDPA leaves its fused
-    # kernel for the slow reference math (measured: 10x slower prefill in bf16).
-    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    mask = None
-    if causal and lq != lk:
-        mask = torch.arange(lk, device=q.device) <= torch.arange(lq, device=q.device)[:, None] + (lk - lq)
-    # 4-D [1, H, L, D]: torch's fused CPU kernel does not take 3-D inputs.
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
-        is_causal=causal and lq == lk, scale=scale)
-    return out[0].transpose(0, 1)
-
-
-def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 softmax_scale=None, causal=False, block_table=None):
-    """Reference for flash-attn's ``flash_attn_varlen_func`` (the subset nanoengine uses).
-
-    Without ``block_table``, k and v are packed like q. With it, k and v are the paged caches
-    ``[num_blocks, block_size, Hk, D]`` and sequence i's keys are read through block_table[i].
-    Each sequence attends only to its own keys, so packed neighbours never mix.
-    """
-    out = torch.empty_like(q)
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    block_size = k.shape[1] if block_table is not None else 0
-    for i in range(len(cu_q) - 1):
-        q_i = q[cu_q[i]:cu_q[i + 1]]
-        if block_table is None:
-            k_i, v_i = k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
-        else:
-            seqlen_k = cu_k[i + 1] - cu_k[i]
-            blocks = block_table[i, :(seqlen_k + block_size - 1) // block_size]
-            k_i, v_i = k[blocks].flatten(0, 1)[:seqlen_k], v[blocks].flatten(0, 1)[:seqlen_k]
-        out[cu_q[i]:cu_q[i + 1]] = _attend(q_i, k_i, v_i, softmax_scale, causal)
-    return out
-
-
-def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,
-                                  causal=False):
-    """Reference for flash-attn's ``flash_attn_with_kvcache`` over a paged cache.
-
-    q is ``[batch, seqlen_q, H, D]``; sequence b's keys are the first ``cache_seqlens[b]`` slots
-    of the blocks in block_table[b]. All sequences are gathered at once and padded to the longest
-    block table; the mask hides the padding. A row of length 0 (a padded batch row) gives zeros.
-    """
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    scale = softmax_scale or head_dim ** -0.5
-    # Gather every sequence's keys straight into [batch, Hk, keys, D] (keys = max_blocks *
-    # block_size), the layout the matmuls read without another copy: viewed as rows of head_dim
-    # values, the cache holds key (slot, head) at row slot * Hk + head.
-    block_size = k_cache.shape[1]
-    slots = (block_table.long()[:, :, None] * block_size + torch.arange(block_size, device=q.device)).view(batch, 1, -1)
-    rows = (slots * num_kv_heads + torch.arange(num_kv_heads, device=q.device)[:, None]).flatten()
-    k = k_cache.view(-1, head_dim).index_select(0, rows).view(batch, num_kv_heads, -1, head_dim)
-    v = v_cache.view(-1, head_dim).index_select(0, rows).view(batch, num_kv_heads, -1, head_dim)
-    # The query heads sharing a kv head become rows of one matmul (GQA without repeating K/V):
-    # [batch, Hk, seqlen_q * group, D], rows ordered (query, head in group).
-    q = q.view(batch, seqlen_q, num_kv_heads, group, head_dim).transpose(1, 2)
-    scores = torch.matmul(q.reshape(batch, num_kv_heads, seqlen_q * group, head_dim), k.transpose(2, 3))
-    # Query j of sequence b sits at position cache_seqlens[b] - seqlen_q + j and sees keys up to it.
-    limit = cache_seqlens[:, None] - seqlen_q + (torch.arange(seqlen_q, device=q.device) if causal else seqlen_q - 1)
-    masked = torch.arange(k.shape[2], device=q.device) > limit[:, :, None]  # [batch, seqlen_q, keys]
-    scores = (scores.float() * scale).view(batch, num_kv_heads, seqlen_q, group, -1)
-    probs = scores.masked_fill_(masked[:, None, :, None], float("-inf")).softmax(dim=-1)
-    out = torch.matmul(probs.view(batch, num_kv_heads, seqlen_q * group, -1).to(v.dtype), v)
-    out = out.view(batch, num_kv_heads, seqlen_q, group, head_dim).transpose(1, 2)
-    out = out.reshape(batch, seqlen_q, num_heads, head_dim)
-    return out.masked_fill((cache_seqlens == 0)[:, None, None, None], 0)  # flash-attn: empty rows give 0
+from nanoengine.cpu_kernels import flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu, store_kvcache_cpu
 
 
 @dataclass(frozen=True)
@@ -107,7 +28,6 @@ class AttentionBackend:
 
 def get_backend(device: torch.device) -> AttentionBackend:
     if device.type != "cuda":
-        from nanoengine.cpu_kernels import flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu, store_kvcache_cpu
         return AttentionBackend(store_kvcache_cpu, flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu)
     try:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache

@@ -13,8 +13,9 @@
 // then scores tiles of 16 query rows against 16 keys at a time, which keeps the scores in vector
 // registers while it sweeps the head dimension.
 //
-// nanoengine/cpu_kernels.py compiles this file on first use, for one head size (HEAD_DIM), and
-// calls it through ctypes. T is bfloat16 (as its bits) or float. Layouts (all contiguous):
+// nanoengine/cpu_library.py compiles this file on first use, for one head size (HEAD_DIM), and
+// cpu_kernels.py calls it through ctypes, having checked every argument. T is bfloat16 (as its
+// bits) or float. Layouts (all contiguous):
 //   k/v_cache     T [num_blocks, block_size, num_kv_heads, HEAD_DIM]
 //   block_table   int32 [batch, max_blocks];  seqlens int32 [batch]: each sequence's cached tokens
 //   decode        q, out T [batch, num_heads, HEAD_DIM]

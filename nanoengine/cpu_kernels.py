@@ -1,68 +1,80 @@
-"""nanoengine's CPU kernels: small C++ files, compiled on first use and called through ctypes.
+"""nanoengine's CPU kernels as Python functions: each checks its inputs, then calls the C++.
 
 On CUDA, attention is flash-attn. On CPU, pure torch has no way to read the paged cache in place
 for decode (the gather it needs instead roughly triples the step's memory traffic), torch's SDPA
 is slow at prefill's short prompts (cpu_attention.cpp), the decoder's element-wise ops cost
 more to launch than to compute at decode batch sizes (cpu_layers.cpp), and torch's bf16 matmul
-reads a decode step's weights slower than memory allows (cpu_linear.cpp). The kernels are small, so
-they are compiled with the system C++ compiler (attention for the model's head size) the first
-time a model needs them, in about 3.5 s, and cached under ~/.cache/nanoengine. Without a
-compiler the engine still runs, on the pure-torch code, and says so once.
-"""
+reads a decode step's weights slower than memory allows (cpu_linear.cpp). cpu_library.py builds
+and loads them.
 
-import ctypes
-import functools
-import os
-import platform
-import subprocess
-import warnings
-from pathlib import Path
+C++ trusts every pointer and size it is handed, so the boundary is here: before a call, each
+function checks device, dtype, shape and strides, and the index ranges a wrong value of which
+would read or write outside a tensor (slots, positions, block-table entries, sequence lengths),
+and raises a ``ValueError`` naming the argument. The checks are a few microseconds of Python and
+small reductions over index tensors of batch size, never over activations or the cache.
+"""
 
 import torch
 import torch.nn.functional as F
-import xxhash
 
-from nanoengine.attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
-from nanoengine.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from nanoengine.cpu_library import load
 from nanoengine.store_kvcache import store_kvcache_torch
+from nanoengine.torch_attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
 
-_HEADER = Path(__file__).with_name("cpu_bfloat16.h")
-_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}  # a kernel for each
-
-
-def _cpu_features() -> str:
-    """What ``-march=native`` compiles for. Part of the cache key, so that a home directory shared
-    by different machines never hands one a kernel with instructions its CPU lacks."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line for line in f if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return platform.machine()
+DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}  # a kernel for each
+_FLOATS = tuple(DTYPES)
+_ATTENTION_FLOATS = (*DTYPES, torch.float16)  # float16 goes to the torch reference
+_INDEX = (torch.int32, torch.int64)
 
 
-@functools.cache
-def _load(source: str, head_dim: int | None = None) -> ctypes.CDLL | None:
-    """The compiled ``source`` (a .cpp file beside this one), for ``head_dim`` if it needs one."""
-    path = Path(__file__).with_name(source)
-    flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
-    flags += [f"-DHEAD_DIM={head_dim}"] if head_dim else []
-    compiler = os.environ.get("CXX", "g++")
-    source_and_flags = path.read_bytes() + _HEADER.read_bytes() + " ".join([compiler, *flags, _cpu_features()]).encode()
-    key = xxhash.xxh64(source_and_flags)
-    cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanoengine"
-    library = cache_dir / f"{path.stem}_{key.hexdigest()}.so"
-    try:
-        if not library.exists():
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            partial = library.with_suffix(f".{os.getpid()}.tmp")  # concurrent builds never see half a file
-            subprocess.run([compiler, *flags, str(path), "-o", str(partial)], check=True, capture_output=True)
-            os.replace(partial, library)
-        return ctypes.CDLL(str(library))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = e.stderr.decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else e
-        warnings.warn(f"could not build the CPU kernels in {source} ({detail}); "
-                      "they are replaced by slower pure-torch code")
-        return None
+def _check(name: str, t: torch.Tensor, dtypes: tuple, shape: tuple) -> None:
+    """A ValueError naming ``name`` unless t is a CPU tensor of one of ``dtypes`` and of ``shape``
+    (None in it matches any size). Written for speed: it runs a few hundred times a step."""
+    if isinstance(t, torch.Tensor) and t.is_cpu and t.dtype in dtypes and t.dim() == len(shape):
+        for expected, size in zip(shape, t.shape):
+            if expected is not None and expected != size:
+                break
+        else:
+            return
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_cpu:
+        raise ValueError(f"{name} is on {t.device}: the CPU kernels take CPU tensors")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected {' or '.join(map(str, dtypes))}")
+    expected = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+    raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected}")
+
+
+def _check_range(name: str, t: torch.Tensor, low: int, high: int, what: str) -> None:
+    """A ValueError unless every value of t lies in [low, high); ``what`` says why, with {high}."""
+    if t.numel():
+        lo, hi = torch.aminmax(t)
+        lo, hi = lo.item(), hi.item()
+        if lo < low or hi >= high:
+            raise ValueError(f"{name} holds values in [{lo}, {hi}], outside [{low}, {high}): "
+                             + what.format(high=high))
+
+
+def _check_block_table(block_table: torch.Tensor, seqlens: torch.Tensor, k_cache: torch.Tensor, batch: int,
+                       seqlens_name: str) -> None:
+    """Each sequence's length within what its row of the block table covers, every entry a block."""
+    num_blocks, block_size = k_cache.shape[:2]
+    _check("block_table", block_table, _INDEX, (batch, None))
+    _check_range("block_table", block_table, 0, num_blocks, "the cache has {high} blocks")
+    _check_range(seqlens_name, seqlens, 0, block_table.shape[1] * block_size + 1,
+                 "beyond the tokens that the block table's rows cover")
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, dtypes: tuple, head_dim: int | None) -> None:
+    """Paged caches ``[num_blocks, block_size, num_kv_heads, head_dim]``, K and V alike."""
+    _check("k_cache", k_cache, dtypes, (None, None, None, head_dim))
+    _check("v_cache", v_cache, (k_cache.dtype,), tuple(k_cache.shape))
+
+
+def _check_heads(num_heads: int, num_kv_heads: int) -> None:
+    if not num_kv_heads or num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} kv heads: not a multiple")
 
 
 def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -73,16 +85,20 @@ def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def store_kvcache_cpu(key, value, k_cache, v_cache, slot_mapping) -> None:
     """``store_kvcache`` on CPU: one C++ call per layer, where torch needs five ops."""
-    library = _load("cpu_attention.cpp", k_cache.shape[-1])
+    _check_caches(k_cache, v_cache, _ATTENTION_FLOATS, None)
+    _check("key", key, (k_cache.dtype,), (None, *k_cache.shape[2:]))
+    _check("value", value, (k_cache.dtype,), tuple(key.shape))
+    _check("slot_mapping", slot_mapping, _INDEX, (key.shape[0],))
+    _check_range("slot_mapping", slot_mapping, -1, k_cache.shape[0] * k_cache.shape[1],
+                 "the cache has {high} slots (-1 marks padding)")
+    library = load("cpu_attention.cpp", k_cache.shape[-1])
     if library is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping)
     key, value = _heads_contiguous(key), _heads_contiguous(value)
     size, slots = key.element_size(), slot_mapping.long().contiguous()  # slots must outlive the call
-    library.store_kvcache(
-        ctypes.c_void_p(key.data_ptr()), ctypes.c_void_p(value.data_ptr()),
-        ctypes.c_int64(key.stride(0) * size), ctypes.c_int64(value.stride(0) * size),
-        *[ctypes.c_void_p(t.data_ptr()) for t in (k_cache, v_cache, slots)],
-        key.shape[0], ctypes.c_int64(key[0].numel() * size), torch.get_num_threads())
+    library.store_kvcache(key.data_ptr(), value.data_ptr(), key.stride(0) * size, value.stride(0) * size,
+                          k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), key.shape[0],
+                          key[0].numel() * size, torch.get_num_threads())
 
 
 def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -91,25 +107,45 @@ def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 
     A float16 cache, or no compiler, goes to the pure-torch reference instead.
     """
-    num_heads, head_dim = q.shape[1:]
-    ok = q.dtype in _DTYPES and k.dtype == q.dtype
-    library = _load("cpu_attention.cpp", head_dim) if ok else None
+    _check("q", q, _ATTENTION_FLOATS, (None, None, None))
+    num_tokens, num_heads, head_dim = q.shape
+    if block_table is None:
+        _check("k", k, (q.dtype,), (None, None, head_dim))
+        _check("v", v, (q.dtype,), tuple(k.shape))
+    else:
+        _check_caches(k, v, (q.dtype,), head_dim)
+    _check_heads(num_heads, k.shape[-2])
+    _check("cu_seqlens_q", cu_seqlens_q, _INDEX, (None,))
+    batch = len(cu_seqlens_q) - 1
+    _check("cu_seqlens_k", cu_seqlens_k, _INDEX, (batch + 1,))
+    seqlens_q, seqlens_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()
+    # Each sequence's queries are its last keys, rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q.
+    if batch < 0 or cu_seqlens_q[0] != 0 or cu_seqlens_q[-1] != num_tokens or cu_seqlens_k[0] != 0:
+        raise ValueError(f"cu_seqlens_q must run from 0 to q's {num_tokens} tokens and cu_seqlens_k from 0")
+    if batch and (seqlens_q.min() < 0 or (seqlens_k - seqlens_q).min() < 0):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must not decrease, nor a sequence have more queries "
+                         "than keys")
+    if block_table is None:
+        _check_range("cu_seqlens_k", cu_seqlens_k, 0, k.shape[0] + 1, "beyond k's tokens")
+        _check_range("cu_seqlens_k's lengths", seqlens_k, 0, max_seqlen_k + 1, "beyond max_seqlen_k")
+    else:
+        _check_block_table(block_table, seqlens_k, k, batch, "cu_seqlens_k")
+    library = load("cpu_attention.cpp", head_dim) if q.dtype in DTYPES else None
     if library is None:
         return flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             softmax_scale, causal, block_table)
     if block_table is None:
         # Packed K/V read as a paged cache whose blocks hold one token each: sequence i's "blocks"
         # are its own rows, cu_seqlens_k[i], cu_seqlens_k[i] + 1, ...
-        block_table = cu_seqlens_k[:-1, None] + torch.arange(max_seqlen_k, device=q.device, dtype=torch.int32)
+        block_table = cu_seqlens_k[:-1, None] + torch.arange(max_seqlen_k, dtype=torch.int32)
         k, v = k.unsqueeze(1), v.unsqueeze(1)
     q, k, v = _heads_contiguous(q), k.contiguous(), v.contiguous()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    tables, cu_q = block_table.int().contiguous(), cu_seqlens_q.int().contiguous()
-    seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).int().contiguous()
-    pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q, k, v, tables, cu_q, seqlens, out)]
-    getattr(library, "prefill_" + _DTYPES[q.dtype])(
-        pointers[0], ctypes.c_int64(q.stride(0)), *pointers[1:], len(seqlens), tables.shape[1], k.shape[1],
-        num_heads, k.shape[2], ctypes.c_float(softmax_scale or head_dim ** -0.5), int(causal), torch.get_num_threads())
+    out = torch.empty(q.shape, dtype=q.dtype)
+    tables, cu_q, seqlens = block_table.int().contiguous(), cu_seqlens_q.int().contiguous(), seqlens_k.int()
+    getattr(library, "prefill_" + DTYPES[q.dtype])(
+        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), tables.data_ptr(), cu_q.data_ptr(),
+        seqlens.data_ptr(), out.data_ptr(), batch, tables.shape[1], k.shape[1], num_heads, k.shape[2],
+        softmax_scale or head_dim ** -0.5, int(causal), torch.get_num_threads())
     return out
 
 
@@ -119,50 +155,67 @@ def flash_attn_with_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, block_table,
     Cases the kernel does not cover (several queries per sequence, a float16 cache, no compiler)
     go to the pure-torch reference, which has the same semantics.
     """
+    _check("q", q, _ATTENTION_FLOATS, (None, None, None, None))
     batch, seqlen_q, num_heads, head_dim = q.shape
-    ok = seqlen_q == 1 and q.dtype in _DTYPES and k_cache.dtype == q.dtype
-    library = _load("cpu_attention.cpp", head_dim) if ok else None
+    _check_caches(k_cache, v_cache, (q.dtype,), head_dim)
+    _check_heads(num_heads, k_cache.shape[2])
+    _check("cache_seqlens", cache_seqlens, _INDEX, (batch,))
+    _check_block_table(block_table, cache_seqlens, k_cache, batch, "cache_seqlens")
+    library = load("cpu_attention.cpp", head_dim) if seqlen_q == 1 and q.dtype in DTYPES else None
     if library is None:
         return flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal)
     q, k_cache, v_cache = _heads_contiguous(q), k_cache.contiguous(), v_cache.contiguous()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype)
     tables, seqlens = block_table.int().contiguous(), cache_seqlens.int().contiguous()
-    pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q, k_cache, v_cache, tables, seqlens, out)]
-    getattr(library, "decode_" + _DTYPES[q.dtype])(
-        pointers[0], ctypes.c_int64(q.stride(0)), *pointers[1:], batch, tables.shape[1], k_cache.shape[1],
-        num_heads, k_cache.shape[2], ctypes.c_float(softmax_scale or head_dim ** -0.5), torch.get_num_threads())
+    getattr(library, "decode_" + DTYPES[q.dtype])(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), seqlens.data_ptr(),
+        out.data_ptr(), batch, tables.shape[1], k_cache.shape[1], num_heads, k_cache.shape[2],
+        softmax_scale or head_dim ** -0.5, torch.get_num_threads())
     return out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """``RMSNorm.forward`` in one pass (cpu_layers.cpp). With a residual, the sum is written into it."""
-    assert residual is None or (residual.is_contiguous() and residual.shape == x.shape)
-    x = x.contiguous()
+    _check("x", x, _FLOATS, (None,) * max(x.dim(), 1))
+    _check("weight", weight, (x.dtype,), (x.shape[-1],))
+    if residual is not None:
+        _check("residual", residual, (x.dtype,), tuple(x.shape))
+        if not residual.is_contiguous():
+            raise ValueError("residual must be contiguous: the kernel writes the sum into it")
+    x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty_like(x)
-    rows, cols = x.numel() // x.shape[-1], x.shape[-1]
-    pointers = [ctypes.c_void_p(t.data_ptr() if t is not None else None) for t in (x, residual, weight, out)]
-    getattr(_load("cpu_layers.cpp"), "add_rms_norm_" + _DTYPES[x.dtype])(
-        *pointers, rows, cols, ctypes.c_float(eps), torch.get_num_threads())
+    getattr(load("cpu_layers.cpp"), "add_rms_norm_" + DTYPES[x.dtype])(
+        x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(), out.data_ptr(),
+        x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
     return out if residual is None else (out, residual)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``SiluAndMul.forward`` in one pass (cpu_layers.cpp)."""
+    _check("x", x, _FLOATS, (None,) * max(x.dim(), 1))
+    if x.shape[-1] % 2:
+        raise ValueError(f"x's last dimension ({x.shape[-1]}) must be even: it is [gate | up]")
     x = x.contiguous()
     out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
-    getattr(_load("cpu_layers.cpp"), "silu_and_mul_" + _DTYPES[x.dtype])(
-        ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()), out.numel() // out.shape[-1], out.shape[-1],
-        torch.get_num_threads())
+    getattr(load("cpu_layers.cpp"), "silu_and_mul_" + DTYPES[x.dtype])(
+        x.data_ptr(), out.data_ptr(), out.numel() // out.shape[-1], out.shape[-1], torch.get_num_threads())
     return out
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
     """``RotaryEmbedding.forward`` in one pass over q and k, rotating them in place (cpu_layers.cpp)."""
+    _check("q", q, _FLOATS, (None, None, None))
+    num_tokens, _, head_dim = q.shape
+    _check("k", k, (q.dtype,), (num_tokens, None, head_dim))
+    _check("positions", positions, _INDEX, (num_tokens,))
+    _check("cos_sin_cache", cos_sin_cache, (torch.float32,), (None, 2 * head_dim))
+    if head_dim % 2 or not cos_sin_cache.is_contiguous():
+        raise ValueError(f"head_dim ({head_dim}) must be even and cos_sin_cache contiguous")
+    _check_range("positions", positions, 0, len(cos_sin_cache), "the rotary table has {high} rows")
     q, k, positions = _heads_contiguous(q), _heads_contiguous(k), positions.long().contiguous()
-    getattr(_load("cpu_layers.cpp"), "rotary_" + _DTYPES[q.dtype])(
-        ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(k.data_ptr()), ctypes.c_int64(q.stride(0)),
-        ctypes.c_int64(k.stride(0)), q.shape[-2], k.shape[-2], q.shape[-1], ctypes.c_void_p(positions.data_ptr()),
-        ctypes.c_void_p(cos_sin_cache.data_ptr()), len(positions), torch.get_num_threads())
+    getattr(load("cpu_layers.cpp"), "rotary_" + DTYPES[q.dtype])(
+        q.data_ptr(), k.data_ptr(), q.stride(0), k.stride(0), q.shape[-2], k.shape[-2], head_dim,
+        positions.data_ptr(), cos_sin_cache.data_ptr(), num_tokens, torch.get_num_threads())
     return q, k
 
 
@@ -170,33 +223,27 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight ``[N, K]`` in cpu_linear.cpp's layout ``[ceil(N / 32), K / 2, 32, 2]``: strips of 32
     output columns, each k pair's 32 x 2 values side by side; zero rows pad N to whole strips."""
     n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"weight has {k} input features: cpu_linear.cpp reads them in pairs, so it needs an "
+                         "even number")
     return F.pad(weight, (0, 0, 0, -n % 32)).view(-1, 32, k // 2, 2).transpose(1, 2).contiguous()
 
 
 def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int):
     """``Linear.forward`` in bf16 by cpu_linear.cpp, over a weight from ``pack_linear_weight``."""
-    rows = x.reshape(-1, x.shape[-1])
+    _check("x", x, (torch.bfloat16,), (None,) * max(x.dim(), 1))
+    in_features = x.shape[-1]
+    _check("packed_weight", packed_weight, (torch.bfloat16,), (-(-out_features // 32), in_features // 2, 32, 2))
+    if in_features % 2 or not packed_weight.is_contiguous():
+        raise ValueError(f"x's {in_features} features must be even and packed_weight contiguous "
+                         "(as pack_linear_weight makes it)")
+    if bias is not None:
+        _check("bias", bias, (torch.bfloat16,), (out_features,))
+        bias = bias.contiguous()
+    rows = x.reshape(-1, in_features)
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     out = x.new_empty(rows.shape[0], out_features)
-    _load("cpu_linear.cpp").linear_bfloat16(
-        ctypes.c_void_p(rows.data_ptr()), ctypes.c_int64(rows.stride(0)), ctypes.c_void_p(packed_weight.data_ptr()),
-        ctypes.c_void_p(bias.data_ptr() if bias is not None else None), ctypes.c_void_p(out.data_ptr()),
-        rows.shape[0], out_features, rows.shape[1], torch.get_num_threads())
+    load("cpu_linear.cpp").linear_bfloat16(
+        rows.data_ptr(), rows.stride(0), packed_weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+        out.data_ptr(), rows.shape[0], out_features, in_features, torch.get_num_threads())
     return out.view(*x.shape[:-1], out_features)
-
-
-def use_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Point the model's RMSNorms, SiLU-and-muls and rotary embedding at the kernels above, if they
-    build for ``dtype``; in bf16 on a CPU with AVX512-BF16, its linear layers too."""
-    if dtype not in _DTYPES or _load("cpu_layers.cpp") is None:
-        return
-    kernels = {RMSNorm: add_rms_norm, SiluAndMul: silu_and_mul, RotaryEmbedding: rotary}
-    for module in model.modules():
-        if type(module) in kernels:
-            module.kernel = kernels[type(module)]
-    if dtype != torch.bfloat16 or "avx512_bf16" not in _cpu_features().split() or _load("cpu_linear.cpp") is None:
-        return
-    for module in model.modules():
-        if isinstance(module, Linear) and module.in_features % 2 == 0:
-            module.packed_weight = pack_linear_weight(module.weight.detach())
-            module.weight, module.kernel = None, linear

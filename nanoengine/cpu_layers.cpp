@@ -2,7 +2,8 @@
 // silu_and_mul and rotary_embedding. torch runs them as 8, 3 and 11 small ops; at decode batch
 // sizes each op costs more to launch than to compute, and in prefill each is a pass over memory.
 //
-// nanoengine/cpu_kernels.py compiles this file on first use and calls it through ctypes. T is
+// nanoengine/cpu_library.py compiles this file on first use; cpu_kernels.py checks the arguments
+// and calls it through ctypes. T is
 // bfloat16 (as its bits) or float; x, residual and out are contiguous [rows, cols].
 #include <cmath>
 #include <cstddef>

@@ -14,7 +14,8 @@
 // Layouts: x bfloat16 [M, K] with rows x_stride apart; out bfloat16 [M, N], contiguous; bias
 // bfloat16 [N] or null. The packed weight is [ceil(N / 32), K / 2, 32, 2]: strip s, k pair p,
 // column j, element e holds weight[32 s + j, 2 p + e] (zero past row N). K is even.
-// nanoengine/cpu_kernels.py compiles this file on first use and calls it through ctypes.
+// nanoengine/cpu_library.py compiles this file on first use; cpu_kernels.py checks the arguments
+// and calls it through ctypes.
 #include <immintrin.h>
 
 #include <algorithm>

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoengine import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """RMSNorm, optionally with the residual add before it (vLLM's fused_add_rms_norm).
@@ -42,15 +44,19 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """``nn.Linear``, which on CPU in bf16 runs a C++ kernel over a packed copy of its weight.
-
-    The model runner sets ``kernel`` (cpu_kernels.linear) and ``packed_weight``, the weight laid
-    out for that kernel to stream front to back, and drops the plain weight (a tied lm_head keeps
-    it: it is still the embedding table).
-    """
+    """``nn.Linear``, which on CPU in bf16 runs a C++ kernel over a packed copy of its weight."""
 
     kernel: Callable | None = None
-    packed_weight: torch.Tensor | None = None
+
+    def use_cpu_kernel(self) -> None:
+        """From now on compute with cpu_kernels.linear over ``packed_weight``, the weight laid out for
+        that kernel to stream front to back. The packed copy replaces the plain weight, as a buffer,
+        so that ``state_dict`` holds what the layer computes with and ``load_state_dict`` takes it
+        back (a tied lm_head's weight lives on as the embedding table)."""
+        packed_weight = cpu_kernels.pack_linear_weight(self.weight.detach())
+        self.register_parameter("weight", None)
+        self.register_buffer("packed_weight", packed_weight)
+        self.kernel = cpu_kernels.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:

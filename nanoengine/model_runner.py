@@ -11,11 +11,13 @@ import ctypes
 import torch
 from transformers import PretrainedConfig
 
+from nanoengine import cpu_kernels
 from nanoengine.attention import Attention, get_backend
 from nanoengine.config import Config
 from nanoengine.context import Context
-from nanoengine.cpu_kernels import use_cpu_kernels
+from nanoengine.cpu_library import cpu_features, load
 from nanoengine.graph_runner import DecodeGraphRunner
+from nanoengine.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from nanoengine.loader import load_weights
 from nanoengine.model import CausalLM
 from nanoengine.sampler import Sampler
@@ -78,6 +80,22 @@ def default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def use_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Point the model's RMSNorms, SiLU-and-muls and rotary embedding at the C++ kernels, if they
+    build for ``dtype``; in bf16 on a CPU with AVX512-BF16, its linear layers too."""
+    if dtype not in cpu_kernels.DTYPES or load("cpu_layers.cpp") is None:
+        return
+    kernels = {RMSNorm: cpu_kernels.add_rms_norm, SiluAndMul: cpu_kernels.silu_and_mul,
+               RotaryEmbedding: cpu_kernels.rotary}
+    packs_linears = (dtype == torch.bfloat16 and "avx512_bf16" in cpu_features().split()
+                     and load("cpu_linear.cpp") is not None)
+    for module in model.modules():
+        if type(module) in kernels:
+            module.kernel = kernels[type(module)]
+        elif packs_linears and isinstance(module, Linear) and module.in_features % 2 == 0:
+            module.use_cpu_kernel()
 
 
 def kvcache_block_size(requested: int | None, device: torch.device) -> int:

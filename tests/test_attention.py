@@ -11,8 +11,8 @@ blocks in physical order, or past a sequence's length, would be caught.
 import pytest
 import torch
 
-from nanoengine import cpu_kernels
-from nanoengine.attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
+from nanoengine import cpu_kernels, cpu_library
+from nanoengine.torch_attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
 from nanoengine.cpu_kernels import flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu
 from nanoengine.model_runner import kvcache_block_size
 
@@ -110,7 +110,7 @@ DECODE_LENGTHS = [1, 5, 17, 0, 40, 16]
 
 def cpu_kernel(fn):
     """A C++ kernel, which must build here: a silent fallback would test the reference twice."""
-    assert cpu_kernels._load("cpu_attention.cpp", D) is not None, "the CPU kernels did not build (is g++ installed?)"
+    assert cpu_library.load("cpu_attention.cpp", D) is not None, "the CPU kernels did not build (is g++ installed?)"
     return fn
 
 
@@ -155,7 +155,7 @@ def test_decode_ignores_block_table_columns_past_each_length(decode_attention):
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])  # bf16 rounds the output
 @pytest.mark.parametrize("head_dim", [64, 128, 24])
 def test_cpu_kernels_at_model_head_sizes(head_dim, dtype, tol):
-    assert cpu_kernels._load("cpu_attention.cpp", head_dim) is not None
+    assert cpu_library.load("cpu_attention.cpp", head_dim) is not None
     prefill = [(0, 40), (0, 1), (100, 20), (16, 3)]
     args, kwargs, expected = varlen_case(prefill, (9, 3), None, dtype=dtype, head_dim=head_dim)
     out = flash_attn_varlen_func_cpu(*args, **kwargs)
@@ -172,7 +172,7 @@ def test_cpu_kernels_at_model_head_sizes(head_dim, dtype, tol):
 def test_cpu_kernels_without_a_compiler_fall_back_to_torch_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built earlier to find
-    cpu_kernels._load.cache_clear()
+    cpu_library.load.cache_clear()
     try:
         args, kwargs, expected = decode_case(DECODE_LENGTHS, (4, 2), block_size=4)
         with pytest.warns(UserWarning, match="could not build the CPU kernels in cpu_attention.cpp"):
@@ -182,7 +182,7 @@ def test_cpu_kernels_without_a_compiler_fall_back_to_torch_with_a_warning(monkey
         out = flash_attn_varlen_func_cpu(*args, **kwargs)  # warned once already; falls back silently
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     finally:
-        cpu_kernels._load.cache_clear()
+        cpu_library.load.cache_clear()
 
 
 def test_cuda_block_size_must_be_a_multiple_of_256():
@@ -286,7 +286,7 @@ def strided_view(q: torch.Tensor) -> torch.Tensor:
 
 
 def test_cpu_kernels_read_q_through_its_token_stride():
-    assert cpu_kernels._load("cpu_attention.cpp", D) is not None
+    assert cpu_library.load("cpu_attention.cpp", D) is not None
     args, kwargs, expected = varlen_case(WITH_PREFIX, (4, 2), 4)
     q = strided_view(args[0])
     assert not q.is_contiguous()
@@ -302,7 +302,7 @@ def test_cpu_kernels_read_q_through_its_token_stride():
 @pytest.mark.parametrize("block_size", [4, 16, 256])
 @pytest.mark.parametrize("heads", GQA + [(9, 3)])
 def test_bf16_decode_kernel_across_blocks_and_odd_lengths(block_size, heads):
-    assert cpu_kernels._load("cpu_attention.cpp", 64) is not None
+    assert cpu_library.load("cpu_attention.cpp", 64) is not None
     args, kwargs, expected = decode_case([1, 2, 15, 16, 33, 0, 100, 47], heads, block_size, extra_columns=2,
                                          dtype=torch.bfloat16, head_dim=64)
     out = flash_attn_with_kvcache_cpu(strided_view(args[0]), *args[1:], **kwargs)

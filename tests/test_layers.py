@@ -9,7 +9,7 @@ in another order), and the residual sums they write must be identical.
 import pytest
 import torch
 
-from nanoengine import cpu_kernels
+from nanoengine import cpu_kernels, cpu_library
 from nanoengine.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 
 ULP = {torch.bfloat16: 2 ** -7, torch.float32: 1e-5}  # bf16: one rounding step, relative
@@ -17,7 +17,7 @@ ULP = {torch.bfloat16: 2 ** -7, torch.float32: 1e-5}  # bf16: one rounding step,
 
 @pytest.fixture(autouse=True)
 def layer_kernels_build():
-    assert cpu_kernels._load("cpu_layers.cpp") is not None, "the CPU kernels did not build (is g++ installed?)"
+    assert cpu_library.load("cpu_layers.cpp") is not None, "the CPU kernels did not build (is g++ installed?)"
 
 
 def norm_pair(dtype, hidden_size, eps=1e-6):
@@ -77,7 +77,7 @@ def test_the_model_runner_binds_the_kernels_on_cpu(tiny_models):
         assert linears and all(m.kernel is cpu_kernels.linear and m.weight is None for m in linears)
 
 
-HAS_AVX512_BF16 = "avx512_bf16" in cpu_kernels._cpu_features().split()
+HAS_AVX512_BF16 = "avx512_bf16" in cpu_library.cpu_features().split()
 
 
 @pytest.mark.skipif(not HAS_AVX512_BF16, reason="cpu_linear.cpp needs a CPU with AVX512-BF16")
@@ -122,3 +122,18 @@ def test_rotary_kernel_matches_torch_on_views_into_the_qkv_output(dtype):
     torch.testing.assert_close(q, expected_q, **tol)
     torch.testing.assert_close(k, expected_k, **tol)
     assert torch.equal(qkv[:, (heads + kv_heads) * 64:], v_before)
+
+
+def test_a_linear_layer_on_its_cpu_kernel_keeps_the_packed_weight_in_its_state_dict():
+    """What the layer computes with is what ``state_dict`` saves, and ``load_state_dict`` takes back."""
+    torch.manual_seed(0)
+    layer = Linear(64, 40, bias=True).bfloat16()
+    packed = cpu_kernels.pack_linear_weight(layer.weight.detach())
+    layer.use_cpu_kernel()
+    state = layer.state_dict()
+    assert set(state) == {"packed_weight", "bias"} and torch.equal(state["packed_weight"], packed)
+    assert layer.weight is None and layer.kernel is cpu_kernels.linear
+    other = Linear(64, 40, bias=True).bfloat16()
+    other.use_cpu_kernel()
+    other.load_state_dict(state)
+    assert torch.equal(other.packed_weight, packed) and torch.equal(other.bias, layer.bias)

@@ -8,7 +8,7 @@ TRITON_INTERPRET, so that both can run in one session on a GPU machine.
 import pytest
 import torch
 
-from nanoengine import cpu_kernels, store_kvcache
+from nanoengine import cpu_kernels, cpu_library, store_kvcache
 from nanoengine.store_kvcache import store_kvcache_torch, store_kvcache_triton
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_TOKENS = 6, 8, 24  # small: the interpreter is slow
@@ -29,7 +29,7 @@ def triton_device(request, monkeypatch) -> str:
 def store_on_cpu(request):
     if request.param == "torch":
         return store_kvcache_torch
-    assert cpu_kernels._load("cpu_attention.cpp", 64) is not None, "the CPU kernels did not build"
+    assert cpu_library.load("cpu_attention.cpp", 64) is not None, "the CPU kernels did not build"
     return cpu_kernels.store_kvcache_cpu
 
 

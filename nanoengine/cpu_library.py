@@ -1,0 +1,95 @@
+"""Building, caching and loading the CPU kernels' C++ files (cpu_*.cpp), and their C signatures.
+
+The kernels are small, so they are compiled with the system C++ compiler (attention for the
+model's head size) the first time a model needs them, in about 3.5 s, and cached under
+~/.cache/nanoengine. Without a compiler the engine still runs, on the pure-torch code, and says
+so once.
+
+Loading a kernel changes nothing else in the process. ``-ffast-math`` lets the compiler vectorise
+the kernels' reductions, but linked into a shared object it also brings the compiler's fast-math
+start-up code, which turns on flush-to-zero for the whole process as the library loads (every
+other library would then compute differently). So fast-math is a flag for compiling only: the
+source becomes an object file with it, and the object a shared library without it.
+
+Every entry point's argument types are declared once, when its library loads, so that ctypes
+itself refuses an argument of the wrong kind rather than passing C++ whatever bits it holds.
+"""
+
+import ctypes
+import functools
+import os
+import platform
+import subprocess
+import warnings
+from pathlib import Path
+
+import xxhash
+
+_HEADER = Path(__file__).with_name("cpu_bfloat16.h")
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_LAYERS_SIGNATURES = {  # the same for the bfloat16 and float32 kernels
+    "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I],
+    "silu_and_mul": [_P, _P, _I, _I, _I],
+    "rotary": [_P, _P, _I64, _I64, _I, _I, _I, _P, _P, _I, _I],
+}
+_ATTENTION_SIGNATURES = {
+    "decode": [_P, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I],
+    "prefill": [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I],
+}
+SIGNATURES = {  # each file's extern "C" functions and their argument types
+    "cpu_attention.cpp": {"store_kvcache": [_P, _P, _I64, _I64, _P, _P, _P, _I, _I64, _I]}
+    | {f"{name}_{dtype}": args for name, args in _ATTENTION_SIGNATURES.items() for dtype in ("bfloat16", "float32")},
+    "cpu_layers.cpp": {f"{name}_{dtype}": args for name, args in _LAYERS_SIGNATURES.items()
+                       for dtype in ("bfloat16", "float32")},
+    "cpu_linear.cpp": {"linear_bfloat16": [_P, _I64, _P, _P, _P, _I, _I, _I, _I]},
+}
+
+
+def cpu_features() -> str:
+    """What ``-march=native`` compiles for. Part of the cache key, so that a home directory shared
+    by different machines never hands one a kernel with instructions its CPU lacks."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
+def _build(source: Path, head_dim: int | None, library_dir: Path) -> Path:
+    """The shared library of ``source``, compiled unless the cache already holds it."""
+    compiler = os.environ.get("CXX", "g++")
+    compile_cmd = [compiler, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+    compile_cmd += [f"-DHEAD_DIM={head_dim}"] if head_dim else []
+    link_cmd = [compiler, "-shared", "-fopenmp"]  # no -ffast-math here: see the module docstring
+    key = xxhash.xxh64(source.read_bytes() + _HEADER.read_bytes()
+                       + " ".join([*compile_cmd, "&&", *link_cmd, cpu_features()]).encode())
+    library = library_dir / f"{source.stem}_{key.hexdigest()}.so"
+    if not library.exists():
+        library_dir.mkdir(parents=True, exist_ok=True)
+        partial = library.with_suffix(f".{os.getpid()}.tmp")  # concurrent builds never see half a file
+        obj = library.with_suffix(f".{os.getpid()}.o")
+        try:
+            subprocess.run([*compile_cmd, str(source), "-o", str(obj)], check=True, capture_output=True)
+            subprocess.run([*link_cmd, str(obj), "-o", str(partial)], check=True, capture_output=True)
+        finally:
+            obj.unlink(missing_ok=True)
+        os.replace(partial, library)
+    return library
+
+
+@functools.cache
+def load(source: str, head_dim: int | None = None) -> ctypes.CDLL | None:
+    """The compiled ``source`` (a .cpp file beside this one), for ``head_dim`` if it needs one, with
+    its functions' argument types declared; None, after a warning, if it cannot be built."""
+    library_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanoengine"
+    try:
+        library = ctypes.CDLL(str(_build(Path(__file__).with_name(source), head_dim, library_dir)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = e.stderr.decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else e
+        warnings.warn(f"could not build the CPU kernels in {source} ({detail}); "
+                      "they are replaced by slower pure-torch code")
+        return None
+    for name, argtypes in SIGNATURES[source].items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, None
+    return library

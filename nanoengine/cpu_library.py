@@ -77,13 +77,17 @@ def _build(source: Path, head_dim: int | None, library_dir: Path) -> Path:
     return library
 
 
+def cache_dir() -> Path:
+    """Where nanoengine keeps what it builds once: compiled kernels, converted GGUF models."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanoengine"
+
+
 @functools.cache
 def load(source: str, head_dim: int | None = None) -> ctypes.CDLL | None:
     """The compiled ``source`` (a .cpp file beside this one), for ``head_dim`` if it needs one, with
     its functions' argument types declared; None, after a warning, if it cannot be built."""
-    library_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanoengine"
     try:
-        library = ctypes.CDLL(str(_build(Path(__file__).with_name(source), head_dim, library_dir)))
+        library = ctypes.CDLL(str(_build(Path(__file__).with_name(source), head_dim, cache_dir())))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = e.stderr.decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else e
         warnings.warn(f"could not build the CPU kernels in {source} ({detail}); "

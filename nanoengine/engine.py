@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 
 from nanoengine.block_manager import BlockManager
 from nanoengine.config import Config
-from nanoengine.loader import load_eos_token_ids, load_hf_config, load_tokenizer, resolve_model_path
+from nanoengine.loader import (checkpoint_directory, load_eos_token_ids, load_hf_config, load_tokenizer,
+                               resolve_model_path)
 from nanoengine.model_runner import ModelRunner
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.scheduler import Scheduler
@@ -52,7 +53,7 @@ def interrupts_deferred():
 class LLMEngine:
     def __init__(self, model: str | None = None, **kwargs):
         self.config = config = Config.from_kwargs(model, kwargs)
-        path = resolve_model_path(model)
+        path = checkpoint_directory(resolve_model_path(model))
         hf_config = load_hf_config(path)
         self.tokenizer = load_tokenizer(path)
         self.vocab_size = hf_config.vocab_size

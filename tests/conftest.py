@@ -48,8 +48,8 @@ def cuda_when_marked(request, monkeypatch, real_cuda_is_available):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from nanoengine.loader import load_tokenizer, resolve_model_path
-    return load_tokenizer(resolve_model_path(None))
+    from nanoengine.loader import checkpoint_directory, load_tokenizer, resolve_model_path
+    return load_tokenizer(checkpoint_directory(resolve_model_path(None)))
 
 
 def make_tiny_model(path: str, arch: str, tokenizer, seed: int = 0, **config_overrides) -> str:

@@ -1,14 +1,19 @@
-"""The loader refuses a checkpoint that does not fit the model, naming the tensor, and reads every EOS id."""
+"""The loader refuses a checkpoint that does not fit the model, naming the tensor, reads every EOS id,
+and converts a GGUF file once into a cache it trusts only when whole."""
 
 import json
 import os
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanoengine import LLM, SamplingParams
+from nanoengine import LLM, SamplingParams, loader
+from nanoengine.loader import checkpoint_directory, load_eos_token_ids, load_hf_config, resolve_model_path
 
 CHECKPOINT = "model.safetensors"
 
@@ -68,3 +73,98 @@ def test_extra_eos_from_generation_config_stops_generation(tiny_models, tmp_path
     out = LLM(path, dtype="float32", device="cpu").generate(
         [prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     assert out["finish_reason"] == "stop" and out["token_ids"] == tokens[:step + 1]
+
+
+def test_gguf_conversion_gives_what_transformers_reads_from_the_file(tokenizer):
+    """The cached directory the engine loads holds the same config, tokenizer, chat template and
+    weights, bit for bit, as transformers reading the default GGUF file itself."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    gguf = resolve_model_path(None)
+    cached = checkpoint_directory(gguf)
+    directory, name = os.path.split(gguf)
+    expected_config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    where_from = {"_name_or_path": None}  # the only field that differs: the directory it was read from
+    assert load_hf_config(cached).to_dict() | where_from == expected_config.to_dict() | where_from
+    expected_tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    chat = expected_tokenizer.apply_chat_template([{"role": "user", "content": "Hi there!"}], tokenize=False,
+                                                  add_generation_prompt=True)
+    assert chat.startswith("<|im_start|>") and tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi there!"}], tokenize=False, add_generation_prompt=True) == chat
+    for text in [chat, "Hello, world!", "  spaces\tand\nnewlines ", "naïve café 東京 🙂", "<|im_end|>"]:
+        assert tokenizer.encode(text) == expected_tokenizer.encode(text), text
+        assert tokenizer.decode(tokenizer.encode(text)) == expected_tokenizer.decode(expected_tokenizer.encode(text))
+    assert len(tokenizer) == len(expected_tokenizer)
+    assert tokenizer.all_special_tokens == expected_tokenizer.all_special_tokens
+    assert (load_eos_token_ids(cached, load_hf_config(cached), tokenizer)
+            == load_eos_token_ids(gguf, expected_config, expected_tokenizer) == {2})
+    expected = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).state_dict()
+    weights = load_file(os.path.join(cached, CHECKPOINT))
+    assert set(weights) == set(expected) - {"lm_head.weight"}  # tied: the embedding, stored once
+    for tensor_name, tensor in weights.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, expected[tensor_name]), tensor_name
+
+
+def fake_conversion(calls: list, delay: float = 0.0):
+    """Stands in for the slow conversion of a real GGUF file: writes two files, counting its calls."""
+    def convert(path, directory):
+        calls.append(path)
+        time.sleep(delay)
+        (directory / "config.json").write_text('{"model_type": "llama"}')
+        (directory / "model.safetensors").write_bytes(b"weights" * 1000)
+    return convert
+
+
+@pytest.fixture
+def gguf_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", os.fspath(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(256)))
+    return os.fspath(path)
+
+
+def test_a_gguf_file_is_converted_once_then_loaded_from_the_cache(gguf_file, monkeypatch):
+    calls = []
+    monkeypatch.setattr(loader, "_convert_gguf", fake_conversion(calls))
+    first = checkpoint_directory(gguf_file)
+    assert checkpoint_directory(gguf_file) == first and len(calls) == 1
+    assert sorted(os.listdir(os.path.dirname(first))) == [os.path.basename(first)]  # no temporary left
+    with open(gguf_file, "ab") as f:  # a file changed in place is a new model
+        f.write(b"more")
+    assert checkpoint_directory(gguf_file) != first and len(calls) == 2
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: (d / "model.safetensors").write_bytes(b"weights" * 500),  # truncated
+    lambda d: (d / "model.safetensors").write_bytes(b"WEIGHTS" * 1000),  # same size, other bytes
+    lambda d: (d / "config.json").unlink(),
+    lambda d: (d / loader._MANIFEST).unlink(),  # as a conversion stopped before it vouched for its files
+    lambda d: (d / loader._MANIFEST).write_text("{"),
+])
+def test_a_damaged_cache_is_converted_again_not_trusted(gguf_file, monkeypatch, damage):
+    calls = []
+    monkeypatch.setattr(loader, "_convert_gguf", fake_conversion(calls))
+    directory = Path(checkpoint_directory(gguf_file))
+    damage(directory)
+    assert checkpoint_directory(gguf_file) == os.fspath(directory) and len(calls) == 2
+    assert (directory / "model.safetensors").read_bytes() == b"weights" * 1000
+    assert sorted(os.listdir(directory.parent)) == [directory.name]
+
+
+def test_a_failed_conversion_leaves_nothing_behind(gguf_file, monkeypatch):
+    def convert(path, directory):
+        (directory / "config.json").write_text("{}")
+        raise RuntimeError("unsupported GGUF architecture")
+    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    with pytest.raises(RuntimeError, match="unsupported"):
+        checkpoint_directory(gguf_file)
+    assert os.listdir(os.path.join(os.environ["XDG_CACHE_HOME"], "nanoengine")) == []
+
+
+def test_concurrent_first_loads_each_get_a_whole_conversion(gguf_file, monkeypatch):
+    calls = []
+    monkeypatch.setattr(loader, "_convert_gguf", fake_conversion(calls, delay=0.2))
+    with ThreadPoolExecutor(4) as pool:
+        directories = list(pool.map(lambda _: checkpoint_directory(gguf_file), range(4)))
+    assert len(set(directories)) == 1 and len(calls) == 4  # all raced; one rename won
+    assert sorted(os.listdir(directories[0])) == ["config.json", "model.safetensors", loader._MANIFEST]
+    assert sorted(os.listdir(os.path.dirname(directories[0]))) == [os.path.basename(directories[0])]

@@ -14,13 +14,14 @@
 // registers while it sweeps the head dimension.
 //
 // nanoengine/cpu_library.py compiles this file on first use, for one head size (HEAD_DIM), and
-// cpu_kernels.py calls it through ctypes, having checked every argument. T is bfloat16 (as its
-// bits) or float. Layouts (all contiguous):
+// cpu_kernels.py calls it through ctypes, having checked every argument's dtype and shape; each
+// entry point checks the values of its index arguments itself, before following any, and returns
+// an error code (0: done). T is bfloat16 (as its bits) or float. Layouts (all contiguous):
 //   k/v_cache     T [num_blocks, block_size, num_kv_heads, HEAD_DIM]
 //   block_table   int32 [batch, max_blocks];  seqlens int32 [batch]: each sequence's cached tokens
 //   decode        q, out T [batch, num_heads, HEAD_DIM]
 //   prefill       q, out T [num_tokens, num_heads, HEAD_DIM], sequence b's queries at rows
-//                 cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1, the last of them at position seqlens[b] - 1
+//                 cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1, the last of them at its last key's position
 // except that q's tokens are q_stride elements apart: q is a view into the qkv projection's output.
 #include <algorithm>
 #include <cmath>
@@ -54,18 +55,34 @@ static void for_each_token(const T* cache, const int32_t* blocks, int seqlen, in
   }
 }
 
+// Every entry point checks its index arguments before following any (O(batch * max_blocks)
+// integer compares, free beside the work) and returns an error code, 0 if all is well; the codes
+// are distinct across the kernels (rotary's, in cpu_layers.cpp, is 4).
+enum Error { BAD_SLOT = 1, BAD_BLOCK = 2, BAD_SEQLEN = 3, BAD_CU_SEQLENS_Q = 5, BAD_LENGTHS = 6 };
+
 // store_kvcache: row i of key and value (one token's kv heads, side by side) is copied to slot
 // slot_mapping[i] of each cache; -1 marks a padding row, which writes nothing. Bytes are bytes,
-// so one kernel serves every dtype; the strides are in bytes too.
-extern "C" void store_kvcache(const char* key, const char* value, int64_t key_stride, int64_t value_stride,
-                              char* k_cache, char* v_cache, const int64_t* slot_mapping, int num_tokens,
-                              int64_t row_bytes, int num_threads) {
+// so one kernel serves every dtype; the strides are in bytes too. Every slot is checked before
+// the first copy, so that a bad one changes nothing: BAD_SLOT if one lies outside [-1, num_slots).
+extern "C" int store_kvcache(const char* key, const char* value, int64_t key_stride, int64_t value_stride,
+                             char* k_cache, char* v_cache, const int64_t* slot_mapping, int num_tokens,
+                             int64_t num_slots, int64_t row_bytes, int num_threads) {
+  for (int i = 0; i < num_tokens; i++)
+    if (slot_mapping[i] < -1 || slot_mapping[i] >= num_slots) return BAD_SLOT;
 #pragma omp parallel for num_threads(num_threads) if (num_tokens * row_bytes >= (1 << 20))
   for (int i = 0; i < num_tokens; i++) {
     if (slot_mapping[i] < 0) continue;
     std::memcpy(k_cache + slot_mapping[i] * row_bytes, key + i * key_stride, row_bytes);
     std::memcpy(v_cache + slot_mapping[i] * row_bytes, value + i * value_stride, row_bytes);
   }
+  return 0;
+}
+
+// BAD_BLOCK unless every entry of block_table [batch, max_blocks] names a block of the cache.
+static int check_block_table(const int32_t* block_table, int batch, int max_blocks, int num_blocks) {
+  for (size_t i = 0; i < size_t(batch) * max_blocks; i++)
+    if (block_table[i] < 0 || block_table[i] >= num_blocks) return BAD_BLOCK;
+  return 0;
 }
 
 // One sequence, every head, in two passes over its blocks: the scores q.k of every query head for
@@ -242,9 +259,12 @@ static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
 // One task per sequence, shared out over as many OpenMP threads as torch uses (sequences differ
 // in length, hence the dynamic schedule). libgomp is the one torch loaded, so the threads are its.
 template <typename T>
-static void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
-                   const int32_t* seqlens, T* out, int batch, int max_blocks, int block_size, int num_heads,
-                   int num_kv_heads, float scale, int num_threads) {
+static int decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
+                  const int32_t* seqlens, T* out, int batch, int max_blocks, int num_blocks, int block_size,
+                  int num_heads, int num_kv_heads, float scale, int num_threads) {
+  if (int error = check_block_table(block_table, batch, max_blocks, num_blocks)) return error;
+  for (int i = 0; i < batch; i++)
+    if (seqlens[i] < 0 || seqlens[i] > int64_t(max_blocks) * block_size) return BAD_SEQLEN;
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> scores;  // per thread, reused across its sequences
@@ -258,6 +278,7 @@ static void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
                block_size, num_heads, num_kv_heads, scale, scores, o);
     }
   }
+  return 0;
 }
 
 // Prefill: the queries of one sequence that share one kv head, against that head's keys. Its rows
@@ -322,11 +343,21 @@ static void prefill_head(const T* q, int64_t q_stride, const T* k_cache, const T
   }
 }
 
-// One task per (sequence, kv head); tasks differ in size with the square of the length.
+// One task per (sequence, kv head); tasks differ in size with the square of the length. Sequence
+// b has cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys, the last of its queries at the last of them.
 template <typename T>
-static void prefill(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
-                    const int32_t* cu_seqlens_q, const int32_t* seqlens, T* out, int batch, int max_blocks,
-                    int block_size, int num_heads, int num_kv_heads, float scale, int causal, int num_threads) {
+static int prefill(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
+                   const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, T* out, int batch, int num_tokens,
+                   int max_blocks, int num_blocks, int block_size, int num_heads, int num_kv_heads, float scale,
+                   int causal, int num_threads) {
+  if (cu_seqlens_q[0] != 0 || cu_seqlens_q[batch] != num_tokens || cu_seqlens_k[0] != 0) return BAD_CU_SEQLENS_Q;
+  for (int b = 0; b < batch; b++) {
+    const int64_t lq = int64_t(cu_seqlens_q[b + 1]) - cu_seqlens_q[b];
+    const int64_t lk = int64_t(cu_seqlens_k[b + 1]) - cu_seqlens_k[b];
+    if (lq < 0 || lk < lq) return BAD_LENGTHS;
+    if (lk > int64_t(max_blocks) * block_size) return BAD_SEQLEN;
+  }
+  if (int error = check_block_table(block_table, batch, max_blocks, num_blocks)) return error;
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> keys, values, scores;  // per thread, reused across its tasks
@@ -334,37 +365,38 @@ static void prefill(const T* q, int64_t q_stride, const T* k_cache, const T* v_c
     for (int b = 0; b < batch; b++)
       for (int h = 0; h < num_kv_heads; h++)
         prefill_head(q, q_stride, k_cache, v_cache, block_table + size_t(b) * max_blocks, cu_seqlens_q[b],
-                     cu_seqlens_q[b + 1] - cu_seqlens_q[b], seqlens[b], block_size, num_heads, num_kv_heads, scale,
-                     causal, h, out, keys, values, scores);
+                     cu_seqlens_q[b + 1] - cu_seqlens_q[b], cu_seqlens_k[b + 1] - cu_seqlens_k[b], block_size,
+                     num_heads, num_kv_heads, scale, causal, h, out, keys, values, scores);
   }
+  return 0;
 }
 
 // The entry points ctypes calls: each kernel for bfloat16 (T = uint16_t) and for float32.
 extern "C" {
-void decode_bfloat16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache, const uint16_t* v_cache,
-                     const int32_t* block_table, const int32_t* seqlens, uint16_t* out, int batch, int max_blocks,
-                     int block_size, int num_heads, int num_kv_heads, float scale, int num_threads) {
-  decode(q, q_stride, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, block_size, num_heads,
-         num_kv_heads, scale, num_threads);
+int decode_bfloat16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache, const uint16_t* v_cache,
+                    const int32_t* block_table, const int32_t* seqlens, uint16_t* out, int batch, int max_blocks,
+                    int num_blocks, int block_size, int num_heads, int num_kv_heads, float scale, int num_threads) {
+  return decode(q, q_stride, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, num_blocks, block_size,
+                num_heads, num_kv_heads, scale, num_threads);
 }
-void decode_float32(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
-                    const int32_t* block_table, const int32_t* seqlens, float* out, int batch, int max_blocks,
-                    int block_size, int num_heads, int num_kv_heads, float scale, int num_threads) {
-  decode(q, q_stride, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, block_size, num_heads,
-         num_kv_heads, scale, num_threads);
+int decode_float32(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+                   const int32_t* block_table, const int32_t* seqlens, float* out, int batch, int max_blocks,
+                   int num_blocks, int block_size, int num_heads, int num_kv_heads, float scale, int num_threads) {
+  return decode(q, q_stride, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, num_blocks, block_size,
+                num_heads, num_kv_heads, scale, num_threads);
 }
-void prefill_bfloat16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache, const uint16_t* v_cache,
-                      const int32_t* block_table, const int32_t* cu_seqlens_q, const int32_t* seqlens, uint16_t* out,
-                      int batch, int max_blocks, int block_size, int num_heads, int num_kv_heads, float scale,
-                      int causal, int num_threads) {
-  prefill(q, q_stride, k_cache, v_cache, block_table, cu_seqlens_q, seqlens, out, batch, max_blocks, block_size,
-          num_heads, num_kv_heads, scale, causal, num_threads);
+int prefill_bfloat16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache, const uint16_t* v_cache,
+                     const int32_t* block_table, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
+                     uint16_t* out, int batch, int num_tokens, int max_blocks, int num_blocks, int block_size,
+                     int num_heads, int num_kv_heads, float scale, int causal, int num_threads) {
+  return prefill(q, q_stride, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, out, batch, num_tokens,
+                 max_blocks, num_blocks, block_size, num_heads, num_kv_heads, scale, causal, num_threads);
 }
-void prefill_float32(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
-                     const int32_t* block_table, const int32_t* cu_seqlens_q, const int32_t* seqlens, float* out,
-                     int batch, int max_blocks, int block_size, int num_heads, int num_kv_heads, float scale,
-                     int causal, int num_threads) {
-  prefill(q, q_stride, k_cache, v_cache, block_table, cu_seqlens_q, seqlens, out, batch, max_blocks, block_size,
-          num_heads, num_kv_heads, scale, causal, num_threads);
+int prefill_float32(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+                    const int32_t* block_table, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, float* out,
+                    int batch, int num_tokens, int max_blocks, int num_blocks, int block_size, int num_heads,
+                    int num_kv_heads, float scale, int causal, int num_threads) {
+  return prefill(q, q_stride, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, out, batch, num_tokens,
+                 max_blocks, num_blocks, block_size, num_heads, num_kv_heads, scale, causal, num_threads);
 }
 }

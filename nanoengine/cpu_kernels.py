@@ -7,11 +7,14 @@ more to launch than to compute at decode batch sizes (cpu_layers.cpp), and torch
 reads a decode step's weights slower than memory allows (cpu_linear.cpp). cpu_library.py builds
 and loads them.
 
-C++ trusts every pointer and size it is handed, so the boundary is here: before a call, each
-function checks device, dtype, shape and strides, and the index ranges a wrong value of which
-would read or write outside a tensor (slots, positions, block-table entries, sequence lengths),
-and raises a ``ValueError`` naming the argument. The checks are a few microseconds of Python and
-small reductions over index tensors of batch size, never over activations or the cache.
+C++ trusts every pointer and size it is handed, so every argument is checked before the work,
+where it is cheapest to check: metadata (device, dtype, shape, strides) here, as it is a few
+attribute reads; index values (slots, positions, block-table entries, sequence lengths), a wrong
+one of which would read or write outside a tensor, in a pre-pass of the kernel itself, as they
+are data (from Python each tensor would cost a reduction and a sync, per layer per step; in C++
+a few integer compares per sequence). A kernel that finds a bad index changes nothing and
+returns an error code, which its wrapper turns into a ``ValueError`` naming the argument. Where
+a torch fallback runs instead, the same ranges are checked here, off the hot path.
 """
 
 import torch
@@ -46,24 +49,35 @@ def _check(name: str, t: torch.Tensor, dtypes: tuple, shape: tuple) -> None:
     raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected}")
 
 
-def _check_range(name: str, t: torch.Tensor, low: int, high: int, what: str) -> None:
-    """A ValueError unless every value of t lies in [low, high); ``what`` says why, with {high}."""
+def _range_error(name: str, low: int, high: int, why: str) -> ValueError:
+    return ValueError(f"{name} holds values outside [{low}, {high}): {why}")
+
+
+def _check_range(name: str, t: torch.Tensor, low: int, high: int, why: str) -> None:
+    """For the torch fallbacks: a ValueError unless every value of t lies in [low, high)."""
     if t.numel():
         lo, hi = torch.aminmax(t)
-        lo, hi = lo.item(), hi.item()
-        if lo < low or hi >= high:
-            raise ValueError(f"{name} holds values in [{lo}, {hi}], outside [{low}, {high}): "
-                             + what.format(high=high))
+        if lo.item() < low or hi.item() >= high:
+            raise _range_error(name, low, high, why)
 
 
-def _check_block_table(block_table: torch.Tensor, seqlens: torch.Tensor, k_cache: torch.Tensor, batch: int,
-                       seqlens_name: str) -> None:
-    """Each sequence's length within what its row of the block table covers, every entry a block."""
+def _block_table_error(code: int, block_table: torch.Tensor, k_cache: torch.Tensor, seqlens_name: str) -> ValueError:
+    """An attention kernel's error ``code``, or the same check in Python: a block-table entry (2) or
+    a sequence length (3) out of range."""
     num_blocks, block_size = k_cache.shape[:2]
-    _check("block_table", block_table, _INDEX, (batch, None))
-    _check_range("block_table", block_table, 0, num_blocks, "the cache has {high} blocks")
-    _check_range(seqlens_name, seqlens, 0, block_table.shape[1] * block_size + 1,
-                 "beyond the tokens that the block table's rows cover")
+    if code == 2:
+        return _range_error("block_table", 0, num_blocks, f"the cache has {num_blocks} blocks")
+    return _range_error(seqlens_name, 0, block_table.shape[1] * block_size + 1,
+                        "beyond the tokens that the block table's rows cover")
+
+
+def _check_block_table(block_table: torch.Tensor, seqlens: torch.Tensor, k_cache: torch.Tensor,
+                       seqlens_name: str) -> None:
+    """For the torch fallbacks, what the attention kernels check themselves."""
+    num_blocks, block_size = k_cache.shape[:2]
+    for code, t, high in ((2, block_table, num_blocks), (3, seqlens, block_table.shape[1] * block_size + 1)):
+        if t.numel() and not (0 <= t.min().item() and t.max().item() < high):
+            raise _block_table_error(code, block_table, k_cache, seqlens_name)
 
 
 def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, dtypes: tuple, head_dim: int | None) -> None:
@@ -89,16 +103,18 @@ def store_kvcache_cpu(key, value, k_cache, v_cache, slot_mapping) -> None:
     _check("key", key, (k_cache.dtype,), (None, *k_cache.shape[2:]))
     _check("value", value, (k_cache.dtype,), tuple(key.shape))
     _check("slot_mapping", slot_mapping, _INDEX, (key.shape[0],))
-    _check_range("slot_mapping", slot_mapping, -1, k_cache.shape[0] * k_cache.shape[1],
-                 "the cache has {high} slots (-1 marks padding)")
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
     library = load("cpu_attention.cpp", k_cache.shape[-1])
     if library is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        # index_copy_ would raise on a slot past the cache, but drop one below -1 as padding
+        _check_range("slot_mapping", slot_mapping, -1, num_slots, f"the cache has {num_slots} slots (-1 marks padding)")
         return store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping)
     key, value = _heads_contiguous(key), _heads_contiguous(value)
     size, slots = key.element_size(), slot_mapping.long().contiguous()  # slots must outlive the call
-    library.store_kvcache(key.data_ptr(), value.data_ptr(), key.stride(0) * size, value.stride(0) * size,
-                          k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), key.shape[0],
-                          key[0].numel() * size, torch.get_num_threads())
+    if library.store_kvcache(key.data_ptr(), value.data_ptr(), key.stride(0) * size, value.stride(0) * size,
+                             k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), key.shape[0], num_slots,
+                             key[0].numel() * size, torch.get_num_threads()):
+        raise _range_error("slot_mapping", -1, num_slots, f"the cache has {num_slots} slots (-1 marks padding)")
 
 
 def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -118,35 +134,64 @@ def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     _check("cu_seqlens_q", cu_seqlens_q, _INDEX, (None,))
     batch = len(cu_seqlens_q) - 1
     _check("cu_seqlens_k", cu_seqlens_k, _INDEX, (batch + 1,))
-    seqlens_q, seqlens_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()
-    # Each sequence's queries are its last keys, rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q.
-    if batch < 0 or cu_seqlens_q[0] != 0 or cu_seqlens_q[-1] != num_tokens or cu_seqlens_k[0] != 0:
-        raise ValueError(f"cu_seqlens_q must run from 0 to q's {num_tokens} tokens and cu_seqlens_k from 0")
-    if batch and (seqlens_q.min() < 0 or (seqlens_k - seqlens_q).min() < 0):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must not decrease, nor a sequence have more queries "
-                         "than keys")
-    if block_table is None:
-        _check_range("cu_seqlens_k", cu_seqlens_k, 0, k.shape[0] + 1, "beyond k's tokens")
-        _check_range("cu_seqlens_k's lengths", seqlens_k, 0, max_seqlen_k + 1, "beyond max_seqlen_k")
-    else:
-        _check_block_table(block_table, seqlens_k, k, batch, "cu_seqlens_k")
+    if batch < 0:
+        raise ValueError("cu_seqlens_q must hold at least one offset, 0")
+    if block_table is not None:
+        _check("block_table", block_table, _INDEX, (batch, None))
     library = load("cpu_attention.cpp", head_dim) if q.dtype in DTYPES else None
     if library is None:
+        _check_prefill_ranges(num_tokens, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, block_table)
         return flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             softmax_scale, causal, block_table)
-    if block_table is None:
+    cu_k = cu_seqlens_k.int().contiguous()
+    packed = block_table is None
+    if packed:
         # Packed K/V read as a paged cache whose blocks hold one token each: sequence i's "blocks"
-        # are its own rows, cu_seqlens_k[i], cu_seqlens_k[i] + 1, ...
-        block_table = cu_seqlens_k[:-1, None] + torch.arange(max_seqlen_k, dtype=torch.int32)
+        # are its own rows, cu_seqlens_k[i], cu_seqlens_k[i] + 1, ... and then block 0, never read
+        # (every entry must name a block: the kernel checks them all).
+        t = torch.arange(max_seqlen_k, dtype=torch.int32)
+        block_table = torch.where(t < cu_k.diff()[:, None], cu_k[:-1, None] + t, 0)
         k, v = k.unsqueeze(1), v.unsqueeze(1)
     q, k, v = _heads_contiguous(q), k.contiguous(), v.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype)
-    tables, cu_q, seqlens = block_table.int().contiguous(), cu_seqlens_q.int().contiguous(), seqlens_k.int()
-    getattr(library, "prefill_" + DTYPES[q.dtype])(
-        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), tables.data_ptr(), cu_q.data_ptr(),
-        seqlens.data_ptr(), out.data_ptr(), batch, tables.shape[1], k.shape[1], num_heads, k.shape[2],
+    tables, cu_q = block_table.int().contiguous(), cu_seqlens_q.int().contiguous()
+    code = getattr(library, "prefill_" + DTYPES[q.dtype])(
+        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), tables.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(),
+        out.data_ptr(), batch, num_tokens, tables.shape[1], k.shape[0], k.shape[1], num_heads, k.shape[2],
         softmax_scale or head_dim ** -0.5, int(causal), torch.get_num_threads())
+    if code:
+        raise _prefill_error(code, num_tokens, k, max_seqlen_k, block_table, packed)
     return out
+
+
+def _prefill_error(code: int, num_tokens: int, k: torch.Tensor, max_seqlen_k: int, block_table: torch.Tensor,
+                   packed: bool) -> ValueError:
+    """The prefill kernel's error ``code``, or the same check in Python; ``packed``: k holds the keys
+    themselves, one block per token, through a block table built here."""
+    if code == 5:
+        return ValueError(f"cu_seqlens_q must run from 0 to q's {num_tokens} tokens and cu_seqlens_k from 0")
+    if code == 6:
+        return ValueError("cu_seqlens_q and cu_seqlens_k must not decrease, nor a sequence have more queries "
+                          "than keys")
+    if packed and code == 2:
+        return _range_error("cu_seqlens_k", 0, len(k) + 1, f"k has {len(k)} tokens")
+    if packed:
+        return _range_error("cu_seqlens_k's lengths", 0, max_seqlen_k + 1, "beyond max_seqlen_k")
+    return _block_table_error(code, block_table, k, "cu_seqlens_k")
+
+
+def _check_prefill_ranges(num_tokens, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, block_table) -> None:
+    """For the torch fallback, what the prefill kernel checks itself."""
+    seqlens_q, seqlens_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()
+    if cu_seqlens_q[0] != 0 or cu_seqlens_q[-1] != num_tokens or cu_seqlens_k[0] != 0:
+        raise _prefill_error(5, num_tokens, k, max_seqlen_k, block_table, block_table is None)
+    if len(seqlens_q) and (seqlens_q.min() < 0 or (seqlens_k - seqlens_q).min() < 0):
+        raise _prefill_error(6, num_tokens, k, max_seqlen_k, block_table, block_table is None)
+    if block_table is None:
+        _check_range("cu_seqlens_k", cu_seqlens_k, 0, len(k) + 1, f"k has {len(k)} tokens")
+        _check_range("cu_seqlens_k's lengths", seqlens_k, 0, max_seqlen_k + 1, "beyond max_seqlen_k")
+    else:
+        _check_block_table(block_table, seqlens_k, k, "cu_seqlens_k")
 
 
 def flash_attn_with_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=False):
@@ -160,17 +205,20 @@ def flash_attn_with_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, block_table,
     _check_caches(k_cache, v_cache, (q.dtype,), head_dim)
     _check_heads(num_heads, k_cache.shape[2])
     _check("cache_seqlens", cache_seqlens, _INDEX, (batch,))
-    _check_block_table(block_table, cache_seqlens, k_cache, batch, "cache_seqlens")
+    _check("block_table", block_table, _INDEX, (batch, None))
     library = load("cpu_attention.cpp", head_dim) if seqlen_q == 1 and q.dtype in DTYPES else None
     if library is None:
+        _check_block_table(block_table, cache_seqlens, k_cache, "cache_seqlens")
         return flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal)
     q, k_cache, v_cache = _heads_contiguous(q), k_cache.contiguous(), v_cache.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype)
     tables, seqlens = block_table.int().contiguous(), cache_seqlens.int().contiguous()
-    getattr(library, "decode_" + DTYPES[q.dtype])(
+    code = getattr(library, "decode_" + DTYPES[q.dtype])(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), seqlens.data_ptr(),
-        out.data_ptr(), batch, tables.shape[1], k_cache.shape[1], num_heads, k_cache.shape[2],
+        out.data_ptr(), batch, tables.shape[1], k_cache.shape[0], k_cache.shape[1], num_heads, k_cache.shape[2],
         softmax_scale or head_dim ** -0.5, torch.get_num_threads())
+    if code:
+        raise _block_table_error(code, block_table, k_cache, "cache_seqlens")
     return out
 
 
@@ -211,11 +259,11 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_ca
     _check("cos_sin_cache", cos_sin_cache, (torch.float32,), (None, 2 * head_dim))
     if head_dim % 2 or not cos_sin_cache.is_contiguous():
         raise ValueError(f"head_dim ({head_dim}) must be even and cos_sin_cache contiguous")
-    _check_range("positions", positions, 0, len(cos_sin_cache), "the rotary table has {high} rows")
     q, k, positions = _heads_contiguous(q), _heads_contiguous(k), positions.long().contiguous()
-    getattr(load("cpu_layers.cpp"), "rotary_" + DTYPES[q.dtype])(
-        q.data_ptr(), k.data_ptr(), q.stride(0), k.stride(0), q.shape[-2], k.shape[-2], head_dim,
-        positions.data_ptr(), cos_sin_cache.data_ptr(), num_tokens, torch.get_num_threads())
+    if getattr(load("cpu_layers.cpp"), "rotary_" + DTYPES[q.dtype])(
+            q.data_ptr(), k.data_ptr(), q.stride(0), k.stride(0), q.shape[-2], k.shape[-2], head_dim,
+            positions.data_ptr(), cos_sin_cache.data_ptr(), len(cos_sin_cache), num_tokens, torch.get_num_threads()):
+        raise _range_error("positions", 0, len(cos_sin_cache), f"the rotary table has {len(cos_sin_cache)} rows")
     return q, k
 
 

@@ -2,8 +2,8 @@
 // silu_and_mul and rotary_embedding. torch runs them as 8, 3 and 11 small ops; at decode batch
 // sizes each op costs more to launch than to compute, and in prefill each is a pass over memory.
 //
-// nanoengine/cpu_library.py compiles this file on first use; cpu_kernels.py checks the arguments
-// and calls it through ctypes. T is
+// nanoengine/cpu_library.py compiles this file on first use; cpu_kernels.py checks the arguments'
+// metadata and calls it through ctypes (rotary checks its positions itself). T is
 // bfloat16 (as its bits) or float; x, residual and out are contiguous [rows, cols].
 #include <cmath>
 #include <cstddef>
@@ -77,11 +77,17 @@ static void rotate(T* x, int64_t stride, int heads, int head_dim, const int64_t*
   }
 }
 
+// Every position is checked before q or k is touched: 4 (and nothing rotated) if one lies outside
+// the table's [0, max_positions) rows, else 0.
 template <typename T>
-static void rotary(T* q, T* k, int64_t q_stride, int64_t k_stride, int q_heads, int k_heads, int head_dim,
-                   const int64_t* positions, const float* cos_sin_cache, int tokens, int num_threads) {
+static int rotary(T* q, T* k, int64_t q_stride, int64_t k_stride, int q_heads, int k_heads, int head_dim,
+                  const int64_t* positions, const float* cos_sin_cache, int64_t max_positions, int tokens,
+                  int num_threads) {
+  for (int i = 0; i < tokens; i++)
+    if (positions[i] < 0 || positions[i] >= max_positions) return 4;
   rotate(q, q_stride, q_heads, head_dim, positions, cos_sin_cache, tokens, num_threads);
   rotate(k, k_stride, k_heads, head_dim, positions, cos_sin_cache, tokens, num_threads);
+  return 0;
 }
 
 // The entry points ctypes calls: each kernel for bfloat16 (T = uint16_t) and for float32.
@@ -100,12 +106,16 @@ void silu_and_mul_bfloat16(const uint16_t* x, uint16_t* out, int rows, int cols,
 void silu_and_mul_float32(const float* x, float* out, int rows, int cols, int num_threads) {
   silu_and_mul(x, out, rows, cols, num_threads);
 }
-void rotary_bfloat16(uint16_t* q, uint16_t* k, int64_t q_stride, int64_t k_stride, int q_heads, int k_heads,
-                     int head_dim, const int64_t* positions, const float* cos_sin_cache, int tokens, int num_threads) {
-  rotary(q, k, q_stride, k_stride, q_heads, k_heads, head_dim, positions, cos_sin_cache, tokens, num_threads);
+int rotary_bfloat16(uint16_t* q, uint16_t* k, int64_t q_stride, int64_t k_stride, int q_heads, int k_heads,
+                    int head_dim, const int64_t* positions, const float* cos_sin_cache, int64_t max_positions,
+                    int tokens, int num_threads) {
+  return rotary(q, k, q_stride, k_stride, q_heads, k_heads, head_dim, positions, cos_sin_cache, max_positions, tokens,
+                num_threads);
 }
-void rotary_float32(float* q, float* k, int64_t q_stride, int64_t k_stride, int q_heads, int k_heads, int head_dim,
-                    const int64_t* positions, const float* cos_sin_cache, int tokens, int num_threads) {
-  rotary(q, k, q_stride, k_stride, q_heads, k_heads, head_dim, positions, cos_sin_cache, tokens, num_threads);
+int rotary_float32(float* q, float* k, int64_t q_stride, int64_t k_stride, int q_heads, int k_heads, int head_dim,
+                   const int64_t* positions, const float* cos_sin_cache, int64_t max_positions, int tokens,
+                   int num_threads) {
+  return rotary(q, k, q_stride, k_stride, q_heads, k_heads, head_dim, positions, cos_sin_cache, max_positions, tokens,
+                num_threads);
 }
 }

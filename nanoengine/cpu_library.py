@@ -12,7 +12,8 @@ other library would then compute differently). So fast-math is a flag for compil
 source becomes an object file with it, and the object a shared library without it.
 
 Every entry point's argument types are declared once, when its library loads, so that ctypes
-itself refuses an argument of the wrong kind rather than passing C++ whatever bits it holds.
+itself refuses an argument of the wrong kind rather than passing C++ whatever bits it holds; the
+kernels that take index arguments check them and return an error code, an int.
 """
 
 import ctypes
@@ -30,14 +31,15 @@ _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _LAYERS_SIGNATURES = {  # the same for the bfloat16 and float32 kernels
     "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I],
     "silu_and_mul": [_P, _P, _I, _I, _I],
-    "rotary": [_P, _P, _I64, _I64, _I, _I, _I, _P, _P, _I, _I],
+    "rotary": [_P, _P, _I64, _I64, _I, _I, _I, _P, _P, _I64, _I, _I],
 }
 _ATTENTION_SIGNATURES = {
-    "decode": [_P, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I],
-    "prefill": [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I],
+    "decode": [_P, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I],
+    "prefill": [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
 }
+CHECK_INDICES = ("store_kvcache", "decode", "prefill", "rotary")  # these return an error code, 0 if done
 SIGNATURES = {  # each file's extern "C" functions and their argument types
-    "cpu_attention.cpp": {"store_kvcache": [_P, _P, _I64, _I64, _P, _P, _P, _I, _I64, _I]}
+    "cpu_attention.cpp": {"store_kvcache": [_P, _P, _I64, _I64, _P, _P, _P, _I, _I64, _I64, _I]}
     | {f"{name}_{dtype}": args for name, args in _ATTENTION_SIGNATURES.items() for dtype in ("bfloat16", "float32")},
     "cpu_layers.cpp": {f"{name}_{dtype}": args for name, args in _LAYERS_SIGNATURES.items()
                        for dtype in ("bfloat16", "float32")},
@@ -95,5 +97,6 @@ def load(source: str, head_dim: int | None = None) -> ctypes.CDLL | None:
         return None
     for name, argtypes in SIGNATURES[source].items():
         function = getattr(library, name)
-        function.argtypes, function.restype = argtypes, None
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int if name.startswith(CHECK_INDICES) else None
     return library

@@ -74,6 +74,7 @@ def main():
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization (default: none)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the same requests")
     parser.add_argument("--preset", choices=["nano-vllm"], help="nano-vllm's workload: 256 seqs, in/out 100..1024")
@@ -86,7 +87,7 @@ def main():
             parser.error(f"--{lo.replace('_', '-')} must be >= 1 and <= --{hi.replace('_', '-')}")
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-              max_model_len=args.max_input_len + args.max_output_len)
+              quantization=args.quantization, max_model_len=args.max_input_len + args.max_output_len)
     prompts, output_lens = make_requests(args, llm.vocab_size)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -98,6 +99,7 @@ def main():
     total = sum(output_lens)
     results = {
         "dtype": str(llm.model_runner.dtype).removeprefix("torch."),
+        "quantization": args.quantization,
         "threads": torch.get_num_threads(),
         "prefill_tok_per_s": s["prefill_tokens"] / s["prefill_seconds"],
         "decode_tok_per_s": s["decode_tokens"] / s["decode_seconds"],
@@ -107,7 +109,7 @@ def main():
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "total_tokens": total, "seconds": elapsed, "throughput_tok_per_s": total / elapsed,
     }
-    print(f"dtype: {results['dtype']}, threads: {results['threads']}, device: {llm.model_runner.device}")
+    print(f"dtype: {results['dtype']}, quantization: {args.quantization}, threads: {results['threads']}, device: {llm.model_runner.device}")
     print(f"Prefill: {results['prefill_tok_per_s']:.2f}tok/s, Decode: {results['decode_tok_per_s']:.2f}tok/s, "
           f"mean decode batch: {results['mean_decode_batch']:.1f}")
     print(f"Preemptions: {results['num_preemptions']}, prefix-cache hit rate: {results['prefix_cache_hit_rate']:.1%}, "

@@ -23,6 +23,7 @@ class Config:
     device: str = "auto"
     dtype: str = "auto"
     enable_prefix_caching: bool = True
+    quantization: str | None = None  # None, "int8" or "int4": weight-only (quantization.py)
     # Set by resolve_limits: whether max_model_len was left to default (it may then shrink to fit the cache).
     max_model_len_is_default: bool = field(default=False, init=False, repr=False)
 
@@ -53,6 +54,11 @@ class Config:
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.dtype!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
+        if self.quantization is not None and self.torch_device.type == "cuda":
+            raise ValueError(f"quantization={self.quantization!r} runs on CPU only (torch's weight-only ops "
+                             "used here are CPU ops); pass device='cpu' or leave quantization unset")
         if self.torch_device.type == "cuda" and self.dtype == "float32":
             raise ValueError("dtype='float32' cannot run on CUDA: flash-attn takes float16 or bfloat16")
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoengine import cpu_kernels
+from nanoengine import cpu_kernels, quantization
 
 
 class RMSNorm(nn.Module):
@@ -44,9 +44,11 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """``nn.Linear``, which on CPU in bf16 runs a C++ kernel over a packed copy of its weight."""
+    """``nn.Linear``, which on CPU in bf16 runs a C++ kernel over a packed copy of its weight, or
+    computes over a quantized copy of it (quantization.py)."""
 
     kernel: Callable | None = None
+    quantized = False
 
     def use_cpu_kernel(self) -> None:
         """From now on compute with cpu_kernels.linear over ``packed_weight``, the weight laid out for
@@ -58,7 +60,19 @@ class Linear(nn.Linear):
         self.register_buffer("packed_weight", packed_weight)
         self.kernel = cpu_kernels.linear
 
+    def quantize(self, fmt: str) -> None:
+        """From now on compute with quantization.linear over ``qweight`` and ``scales``, the weight
+        in ``fmt`` ("int8" or "int4"). Like ``use_cpu_kernel``, the quantized copy replaces the
+        weight as buffers; a tied lm_head gets its own copy and the embedding keeps the original."""
+        qweight, scales = quantization.quantize_weight(self.weight.detach(), fmt)
+        self.register_parameter("weight", None)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.quantized = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            return quantization.linear(x, self.qweight, self.scales, self.bias)
         if self.kernel is None:
             return super().forward(x)
         return self.kernel(x, self.packed_weight, self.bias, self.out_features)

@@ -11,7 +11,7 @@ import ctypes
 import torch
 from transformers import PretrainedConfig
 
-from nanoengine import cpu_kernels
+from nanoengine import cpu_kernels, quantization
 from nanoengine.attention import Attention, get_backend
 from nanoengine.config import Config
 from nanoengine.context import Context
@@ -94,8 +94,18 @@ def use_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> None:
     for module in model.modules():
         if type(module) in kernels:
             module.kernel = kernels[type(module)]
-        elif packs_linears and isinstance(module, Linear) and module.in_features % 2 == 0:
+        elif packs_linears and isinstance(module, Linear) and not module.quantized and module.in_features % 2 == 0:
             module.use_cpu_kernel()
+
+
+def quantize_linears(model: torch.nn.Module, fmt: str) -> None:
+    """Switch every linear layer to weights in ``fmt`` where torch's op takes its shape
+    (quantization.can_quantize); the rest keep theirs. The LM head is never below int8 (as llama.cpp
+    keeps its output tensor wider): in int4 it cost the default model 8% perplexity, in int8 0.5%."""
+    for name, module in model.named_modules():
+        layer_fmt = "int8" if name == "lm_head" else fmt
+        if isinstance(module, Linear) and quantization.can_quantize(module.out_features, module.in_features, layer_fmt):
+            module.quantize(layer_fmt)
 
 
 def kvcache_block_size(requested: int | None, device: torch.device) -> int:
@@ -117,6 +127,8 @@ class ModelRunner:
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = CausalLM(hf_config, max_position=config.max_model_len).eval()
         load_weights(self.model, model_path)
+        if config.quantization is not None:
+            quantize_linears(self.model, config.quantization)
         if self.device.type == "cpu":
             use_cpu_kernels(self.model, self.dtype)
         self.sampler = Sampler()

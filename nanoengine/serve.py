@@ -295,8 +295,9 @@ def main() -> None:
     parser.add_argument("--num-kvcache-blocks", type=int)
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization (default: none)")
     args = parser.parse_args()
-    options = {k: v for k in ("max_model_len", "max_num_seqs", "num_kvcache_blocks", "dtype", "device")
+    options = {k: v for k in ("max_model_len", "max_num_seqs", "num_kvcache_blocks", "dtype", "device", "quantization")
                if (v := getattr(args, k)) is not None}
     try:
         engine = LLMEngine(args.model, **options)

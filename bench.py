@@ -109,11 +109,19 @@ def main():
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "total_tokens": total, "seconds": elapsed, "throughput_tok_per_s": total / elapsed,
     }
+    if args.num_seqs == 1:
+        # One request: its latency, to set beside llama.cpp's llama-bench (tg128 is 1e3 / TPOT).
+        # TTFT is the prefill step; TPOT the mean decode step (both step times, as the engine counts).
+        results.update(ttft_ms=1e3 * s["prefill_seconds"] / s["prefill_steps"],
+                       tpot_ms=1e3 * s["decode_seconds"] / max(s["decode_steps"], 1))
     print(f"dtype: {results['dtype']}, quantization: {args.quantization}, threads: {results['threads']}, device: {llm.model_runner.device}")
     print(f"Prefill: {results['prefill_tok_per_s']:.2f}tok/s, Decode: {results['decode_tok_per_s']:.2f}tok/s, "
           f"mean decode batch: {results['mean_decode_batch']:.1f}")
     print(f"Preemptions: {results['num_preemptions']}, prefix-cache hit rate: {results['prefix_cache_hit_rate']:.1%}, "
           f"peak RSS: {results['peak_rss_gib']:.2f}GiB")
+    if args.num_seqs == 1:
+        print(f"Single request: TTFT: {results['ttft_ms']:.1f}ms, TPOT: {results['tpot_ms']:.2f}ms "
+              f"({1e3 / results['tpot_ms']:.1f}tok/s)")
     if args.compare_hf:
         by_batch = hf_throughputs(llm, prompts, output_lens, llm.model_runner.dtype, llm.model_runner.device)
         batch = max(by_batch, key=by_batch.get)

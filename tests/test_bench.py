@@ -26,3 +26,16 @@ def test_bench_prints_nano_vllm_final_line_and_json(tiny_models, tmp_path):
     for label in ("Prefill:", "Decode:", "mean decode batch", "Preemptions:", "prefix-cache hit rate", "peak RSS",
                   "dtype:", "threads:"):
         assert label in result.stdout
+
+
+def test_bench_reports_a_single_requests_ttft_and_tpot(tiny_models, tmp_path):
+    out_json = tmp_path / "bench.json"
+    cmd = [sys.executable, "bench.py", "--model", tiny_models["llama"], "--num-seqs", "1", "--min-input-len", "20",
+           "--max-input-len", "20", "--min-output-len", "9", "--max-output-len", "9", "--device", "cpu",
+           "--json", str(out_json)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads(out_json.read_text())
+    assert results["ttft_ms"] > 0 and results["tpot_ms"] > 0
+    line = re.search(r"Single request: TTFT: ([\d.]+)ms, TPOT: ([\d.]+)ms \(([\d.]+)tok/s\)", result.stdout)
+    assert line and float(line.group(2)) == round(results["tpot_ms"], 2)

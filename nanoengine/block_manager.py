@@ -11,12 +11,13 @@ A block whose count drops to zero returns to the free pool with its hash and con
 later prompt with the same prefix revives it, until the pool hands it out for new content
 (least recently freed first), which is when its hash entry is dropped.
 
-The one rule that keeps the cache honest: a block's hash is registered only after the step that
-writes its K/V has completed (``cache_full_blocks``, called from the scheduler's postprocess).
-A step that fails or is interrupted half-way, after writing some layers' K/V and not others,
-therefore leaves nothing behind that a later prompt could mistake for a cached prefix: its
-blocks go back to the pool unregistered. The price is that two prompts of the *same* prefill
-step that start alike both compute their common prefix; every later prompt shares it.
+The one rule that keeps the cache honest when a step fails: a full block is registered as soon as
+it is allocated, so that a later sequence of the *same* step can already share it (within each
+layer every token's K/V is stored before anyone attends), but that registration is a promise
+until the step has written the block's K/V (``cache_full_blocks``, after the step). A promised
+block that is freed first, because its step raised or was interrupted and the engine aborted the
+step's sequences, loses its hash. So no later prompt can read K/V that were never written, or
+written for some layers and not others.
 """
 
 from array import array
@@ -53,6 +54,8 @@ class BlockManager:
         # Free blocks in the order they were freed: the front is reused first, so the blocks
         # freed longest ago lose their cached contents first (LRU eviction).
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Registered by ``allocate`` in this step, K/V not yet written: the promises.
+        self.promised_block_ids: set[int] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -93,7 +96,7 @@ class BlockManager:
     def allocate(self, seq: Sequence) -> None:
         """Give a waiting sequence its block table: cached blocks first, fresh ones after.
 
-        Fresh blocks stay unregistered until the step has written their K/V (``cache_full_blocks``).
+        Fresh full blocks are registered right away, as promises (see the module docstring).
         """
         assert not seq.block_table
         hits = self._cached_prefix(seq)
@@ -104,8 +107,14 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = list(hits)
         seq.num_cached_tokens = len(hits) * self.block_size
-        for _ in range(len(hits), seq.num_blocks):
-            seq.block_table.append(self._take_free_block().block_id)
+        prefix_hash = self.blocks[hits[-1]].hash if hits else -1
+        for i in range(len(hits), seq.num_blocks):
+            block = self._take_free_block()
+            seq.block_table.append(block.block_id)
+            token_ids = seq.block(i)
+            if self.enable_prefix_caching and len(token_ids) == self.block_size:
+                prefix_hash = self._register(block, token_ids, prefix_hash)
+                self.promised_block_ids.add(block.block_id)
 
     def deallocate(self, seq: Sequence) -> None:
         # Tail blocks first, so a prompt's later blocks are evicted before its shared start.
@@ -113,6 +122,9 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
+                if block_id in self.promised_block_ids:  # its step never wrote it
+                    self.promised_block_ids.remove(block_id)
+                    self._unregister(block)
                 self.free_block_ids[block_id] = None
         seq.block_table = []
         seq.num_cached_tokens = 0
@@ -131,21 +143,18 @@ class BlockManager:
     # -- after a step --------------------------------------------------------------------------
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """After a completed step: register the blocks it filled, making them prefix-cache hits.
-
-        Called before the step's new token is appended, when the K/V of all ``seq.num_tokens``
-        tokens are in the cache: after a prefill, the prompt's full blocks; after a decode step,
-        the last block once its final slot was written. Registered blocks form a prefix of the
-        block table, so the walk back from the last full block stops at the first registered one.
-        """
+        """After a completed step, before its new token is appended: the K/V of all
+        ``seq.num_tokens`` tokens are in the cache. A prefill's promised blocks are kept; a decode
+        step that wrote a block's last slot registers that block."""
         if not self.enable_prefix_caching:
             return
-        first = num_full = seq.num_tokens // self.block_size
-        while first > 0 and self.blocks[seq.block_table[first - 1]].hash == -1:
-            first -= 1
-        prefix_hash = self.blocks[seq.block_table[first - 1]].hash if first else -1
-        for i in range(first, num_full):
-            prefix_hash = self._register(self.blocks[seq.block_table[i]], seq.block(i), prefix_hash)
+        if self.promised_block_ids:  # only after a prefill step
+            self.promised_block_ids.difference_update(seq.block_table)
+        if seq.num_tokens % self.block_size == 0:
+            block = self.blocks[seq.block_table[-1]]
+            if block.hash == -1:
+                prev = self.blocks[seq.block_table[-2]].hash if len(seq.block_table) > 1 else -1
+                self._register(block, seq.block(len(seq.block_table) - 1), prev)
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -153,9 +162,8 @@ class BlockManager:
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0
-        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
-            del self.hash_to_block_id[block.hash]  # its old contents are about to be overwritten
-        block.hash, block.token_ids, block.ref_count = -1, [], 1
+        self._unregister(block)  # its old contents are about to be overwritten
+        block.ref_count = 1
         return block
 
     def _register(self, block: Block, token_ids: list[int], prefix_hash: int) -> int:
@@ -163,3 +171,8 @@ class BlockManager:
         block.token_ids = list(token_ids)
         self.hash_to_block_id[block.hash] = block.block_id
         return block.hash
+
+    def _unregister(self, block: Block) -> None:
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash, block.token_ids = -1, []

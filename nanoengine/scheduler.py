@@ -92,7 +92,7 @@ class Scheduler:
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> None:
         """Append each sequence's new token and retire the sequences that are done."""
         for seq, token_id in zip(seqs, token_ids):
-            self.block_manager.cache_full_blocks(seq)  # the step wrote their K/V: now they may be shared
+            self.block_manager.cache_full_blocks(seq)  # the step wrote its K/V: keep or add cache entries
             seq.append_token(token_id)
             params = seq.sampling_params
             if not params.ignore_eos and token_id in self.eos_token_ids:

@@ -73,16 +73,30 @@ def test_full_blocks_get_chained_hashes_and_partial_block_none():
     seq = make_seq(tokens)
     bm.allocate(seq)
     assert len(seq.block_table) == 3
-    # Nothing is shared before the step that writes the K/V has run: had it failed, these
-    # blocks would hold no (or half the layers') K/V.
-    assert all(bm.blocks[b].hash == -1 for b in seq.block_table) and bm.hash_to_block_id == {}
-    assert bm.num_cached_tokens(make_seq(tokens + [0])) == 0
-    bm.cache_full_blocks(seq)
     hashes = [bm.blocks[b].hash for b in seq.block_table]
     assert hashes[:2] == chain_hashes(tokens)
     assert hashes[2] == -1  # 2 of 4 slots: a partial block is never a cache entry
     assert bm.hash_to_block_id == {hashes[0]: seq.block_table[0], hashes[1]: seq.block_table[1]}
     assert bm.blocks[seq.block_table[1]].token_ids == [5, 6, 7, 8]
+
+
+def test_blocks_of_a_step_that_never_completes_lose_their_hashes():
+    """A prefill registers its full blocks at once, so that a later prompt of the same step can
+    share them; if the step fails, the engine frees them before it wrote their K/V, and they must
+    not stay cache hits."""
+    bm = BlockManager(8, BS)
+    prefix = [1, 2, 3, 4, 5, 6, 7, 8]
+    a, b = make_seq(prefix + [9]), make_seq(prefix + [10])
+    bm.allocate(a)
+    bm.allocate(b)  # the same step
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    bm.deallocate(b)  # the step raised: the engine aborts both
+    bm.deallocate(a)
+    assert bm.hash_to_block_id == {} and bm.num_cached_tokens(make_seq(prefix + [0])) == 0
+    c = make_seq(prefix + [11])
+    prefill(bm, c)  # a step that completes keeps them
+    bm.deallocate(c)
+    assert bm.num_cached_tokens(make_seq(prefix + [0])) == 8
 
 
 def test_equal_block_after_different_prefix_is_not_shared():
@@ -363,6 +377,12 @@ class ReferenceBooks:
             table.append(self.take())
         return table, hits
 
+    def forget_prompt(self, table: list[int], num_hits: int, token_ids: list[int]) -> None:
+        """The prefill step failed: no prefix its fresh blocks would have held is cached, not even
+        an older copy elsewhere (the failed step's promise had replaced that entry)."""
+        for i in range(num_hits, len(token_ids) // self.block_size):
+            self.cache.pop(tuple(token_ids[:(i + 1) * self.block_size]), None)
+
     def compute_prompt(self, table: list[int], num_hits: int, token_ids: list[int]) -> None:
         """The prefill step has run: the K/V of every token past the cached prefix is written."""
         for i in range(num_hits, len(table)):
@@ -407,13 +427,13 @@ class BlockManagerAgainstReference(RuleBasedStateMachine):
         table, hits = self.ref.prefill(seq.token_ids)
         assert seq.block_table == table, "wrong hits, or free blocks not reused least recently freed first"
         assert seq.num_cached_tokens == cached_before == len(hits) * self.block_size < seq.num_tokens
-        self.every_cache_entry_matches_its_blocks_contents()  # nothing registered before K/V is written
         self.live.append(seq)
         if completes:
             self.ref.compute_prompt(table, len(hits), seq.token_ids)
             self.bm.cache_full_blocks(seq)
         else:  # a step that fails may have written any part of its blocks; the engine aborts them
             self._finish(seq)
+            self.ref.forget_prompt(table, len(hits), seq.token_ids)
         return True
 
     @rule(which=st.integers(0, 2), prefix_len=st.integers(0, 16), tail=tokens_st, sampled=st.integers(0, 2))

@@ -2,9 +2,10 @@
 
 FastAPI turns each request into token ids and ``SamplingParams``, hands them to the
 ``AsyncLLMEngine`` and turns the tokens that come back into text: whole, or streamed as
-server-sent events in OpenAI's chunk format. Stop strings are found here, in the text, and end
-the request early. However a response ends (done, stop string, client gone), its request is
-aborted, so the KV blocks of a client that disconnects are freed at once.
+server-sent events in OpenAI's chunk format, through a ``Detokenizer``, which also finds stop
+strings in the text; one ends the request early. However a response ends (done, stop string,
+client gone), its request is aborted, so the KV blocks of a client that disconnects are freed at
+once.
 
 Errors are OpenAI's JSON: 400 for a bad request, 500 when the step running a request failed
 (in a stream: an error event, then ``[DONE]``), 503 from every endpoint, ``/health`` included,
@@ -27,6 +28,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict
 
 from nanoengine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, RequestStream
+from nanoengine.detokenizer import Detokenizer
 from nanoengine.engine import LLMEngine
 from nanoengine.loader import DEFAULT_MODEL_FILE
 from nanoengine.sampling_params import SamplingParams
@@ -68,38 +70,6 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # the newer name for max_tokens
-
-
-class IncrementalText:
-    """A completion's text as its tokens arrive; ``add`` returns only text that is final.
-
-    The whole completion is re-decoded each time, since one character may span several
-    tokens: text ending in U+FFFD (half a character) waits for the next token, and the last
-    ``len(longest stop string) - 1`` characters wait in case they begin a stop string.
-    """
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.holdback = max(map(len, stop), default=1) - 1
-        self.token_ids: list[int] = []
-        self.text, self.num_sent, self.stopped = "", 0, False
-
-    def add(self, token_ids: list[int], finished: bool) -> str:
-        self.token_ids += token_ids
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if cuts:
-            text, self.stopped = text[:min(cuts)], True
-        self.text = text
-        if self.stopped or finished:
-            end = len(text)
-        elif text.endswith("\ufffd"):
-            return ""
-        else:
-            end = len(text) - self.holdback
-        delta = text[self.num_sent:end]
-        self.num_sent = max(self.num_sent, end)
-        return delta
 
 
 class EventStream(StreamingResponse):
@@ -186,7 +156,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     async def generate(request: Request, req: _Request, prompt_ids: list[int], max_tokens: int, chat: bool):
         params = sampling_params(req, max_tokens)
         stream = await engine.add_request(prompt_ids, params)
-        text = IncrementalText(engine.tokenizer, [req.stop] if isinstance(req.stop, str) else req.stop or [])
+        text = Detokenizer(engine.tokenizer, [req.stop] if isinstance(req.stop, str) else req.stop or [])
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": model_name}
 
@@ -234,7 +204,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
 
         return EventStream(events(), stream)
 
-    async def deltas(stream: RequestStream, text: IncrementalText) -> AsyncIterator[tuple[str | None, str]]:
+    async def deltas(stream: RequestStream, text: Detokenizer) -> AsyncIterator[tuple[str | None, str]]:
         """(finish_reason, new text) for each engine output; a stop string ends the request early."""
         async for output in stream:
             delta = text.add(output.token_ids, output.finish_reason is not None)

@@ -95,22 +95,6 @@ def wait_for_idle_stats(server, timeout: float = 10) -> dict:
     return stats
 
 
-def test_incremental_text_never_splits_a_character_or_leaks_a_stop_string(tokenizer):
-    from nanoengine.serve import IncrementalText
-    token_ids = tokenizer.encode("héllo 🦙 wörld ✓ 日本語")  # the emoji and CJK span several tokens
-    text = IncrementalText(tokenizer, [])
-    deltas = [text.add([t], finished=False) for t in token_ids] + [text.add([], finished=True)]
-    assert "".join(deltas) == tokenizer.decode(token_ids) and not any("\ufffd" in d for d in deltas)
-
-    text = IncrementalText(tokenizer, ["wörld"])
-    deltas = []
-    for t in token_ids:
-        deltas.append(text.add([t], finished=False))
-        if text.stopped:
-            break
-    assert "".join(deltas) == text.text == "héllo 🦙 " and not any("w" in d for d in deltas)
-
-
 def test_health_and_models(server, client):
     assert httpx.get(f"{server}/health", timeout=5).status_code == 200
     models = client.models.list().data

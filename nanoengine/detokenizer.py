@@ -1,0 +1,73 @@
+"""Incremental detokenization: a completion's token ids become text as they arrive.
+
+The server (``serve.py``) feeds each engine output's new tokens to a ``Detokenizer`` and streams
+what comes back. Re-decoding the whole completion for every token would cost time that grows
+with the completion (quadratic in all); here each token costs the same however long the text
+already is. Stop strings are found here too, in the text, and end the request early.
+"""
+
+from tokenizers.decoders import DecodeStream
+
+
+class Detokenizer:
+    """A completion's text as its tokens arrive; ``add`` returns only text that is final.
+
+    New tokens are decoded together with a few before them (vLLM's prefix and read offsets):
+    the text of ``ids[prefix_offset:]`` past that of ``ids[prefix_offset:read_offset]`` is new,
+    since a tokenizer may decode a token differently at the start of a text. While that text
+    ends in U+FFFD (half a character: one character may span several tokens) it waits for the
+    next token. A fast tokenizer does the same in Rust (the ``tokenizers`` library's
+    ``DecodeStream``, as vLLM does); the offsets here are then kept only for a half character
+    left at the end, which is returned as U+FFFD, as ``decode`` gives it.
+
+    The last ``len(longest stop string) - 1`` characters also wait, in case they begin a stop
+    string; the text is cut before the first match. A match ends in the new text, so only the
+    new text and those held-back characters are searched.
+    """
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.holdback = max(map(len, stop), default=1) - 1
+        # DecodeStream skips cleanup_tokenization_spaces, which decode would apply.
+        fast = hasattr(tokenizer, "backend_tokenizer") and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self.decode_stream = DecodeStream(skip_special_tokens=True) if fast else None
+        self.token_ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.sent: list[str] = []  # what add has returned
+        self.held = ""  # final text not returned yet: the stop-string holdback
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.sent) + self.held
+
+    def add(self, token_ids: list[int], finished: bool) -> str:
+        self.token_ids += token_ids
+        text = self.held + self.detokenize(token_ids, finished)
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if cuts:
+            text, self.stopped = text[:min(cuts)], True
+        end = len(text) if self.stopped or finished else max(0, len(text) - self.holdback)
+        delta, self.held = text[:end], text[end:]
+        self.sent.append(delta)
+        return delta
+
+    def detokenize(self, token_ids: list[int], finished: bool) -> str:
+        """The text that ``token_ids`` complete; once ``finished``, all that is left."""
+        if self.decode_stream is None:
+            return self.decode_window(finished)
+        text = self.decode_stream.step(self.tokenizer.backend_tokenizer, token_ids)
+        if text is not None:
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return (text or "") + (self.decode_window(True) if finished else "")
+
+    def decode_window(self, finished: bool) -> str:
+        ids = self.token_ids
+        if self.read_offset == len(ids):
+            return ""
+        prefix = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        text = self.tokenizer.decode(ids[self.prefix_offset:], skip_special_tokens=True)
+        if len(text) <= len(prefix) or (text.endswith("\ufffd") and not finished):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        return text[len(prefix):]

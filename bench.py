@@ -114,7 +114,8 @@ def main():
         # TTFT is the prefill step; TPOT the mean decode step (both step times, as the engine counts).
         results.update(ttft_ms=1e3 * s["prefill_seconds"] / s["prefill_steps"],
                        tpot_ms=1e3 * s["decode_seconds"] / max(s["decode_steps"], 1))
-    print(f"dtype: {results['dtype']}, quantization: {args.quantization}, threads: {results['threads']}, device: {llm.model_runner.device}")
+    print(f"dtype: {results['dtype']}, quantization: {args.quantization}, threads: {results['threads']}, "
+          f"device: {llm.model_runner.device}")
     print(f"Prefill: {results['prefill_tok_per_s']:.2f}tok/s, Decode: {results['decode_tok_per_s']:.2f}tok/s, "
           f"mean decode batch: {results['mean_decode_batch']:.1f}")
     print(f"Preemptions: {results['num_preemptions']}, prefix-cache hit rate: {results['prefix_cache_hit_rate']:.1%}, "

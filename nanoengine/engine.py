@@ -7,8 +7,9 @@
 A step that raises or is interrupted (an exception in the model, Ctrl-C in a notebook) ends the
 sequences it was running, frees their blocks and re-raises; every other request, and the prefix
 cache, are as if the step had never started (a block the failed step registered but never wrote
-loses its hash when freed: see block_manager.py). Ctrl-C is held back while the bookkeeping itself runs (``interrupts_deferred``),
-so it can never land between two related updates; the model's forward stays interruptible.
+loses its hash when freed: see block_manager.py). Ctrl-C is held back while the bookkeeping
+itself runs (``interrupts_deferred``), so it can never land between two related updates; the
+model's forward stays interruptible.
 """
 
 import signal

@@ -3,8 +3,8 @@
 A model is a local HF directory (config.json, *.safetensors, tokenizer files) or a single
 ``.gguf`` file, which is converted once into such a directory in the cache (see
 ``checkpoint_directory``). Config, tokenizer and chat template always come from transformers; so
-does GGUF dequantization. What is ours is the mapping from checkpoint tensor names to our parameters,
-including the fused projections (see ``CausalLM.packed_modules_mapping``).
+does GGUF dequantization. What is ours is the mapping from checkpoint tensor names to our
+parameters, including the fused projections (see ``CausalLM.packed_modules_mapping``).
 """
 
 import contextlib
@@ -58,9 +58,10 @@ def checkpoint_directory(path: str) -> str:
     tokenizer's strings, again for each of config, tokenizer and weights), so its config, tokenizer
     and dequantized float32 weights are saved once under ~/.cache/nanoengine, where every later
     start reads them as from any HF directory (checking their hashes: 0.1 s for the default model's
-    0.6 GB). The cache is keyed by a hash of the file's bytes rather than its path and mtime: a file replaced in place is
-    never served its predecessor's weights, and copies of one file share one conversion. The
-    transformers version is in the key too, as its conversion is what the cache stands for.
+    0.6 GB). The cache is keyed by a hash of the file's bytes rather than its path and mtime: a
+    file replaced in place is never served its predecessor's weights, and copies of one file share
+    one conversion. The transformers version is in the key too, as its conversion is what the
+    cache stands for.
     """
     if not path.endswith(".gguf"):
         return path

@@ -63,7 +63,8 @@ def test_sampling_params_list_must_match_prompts(llm):
     ({"device": "tpu"}, "device"), ({"dtype": "int8"}, "dtype"), ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"max_model_len": 10**6}, "max_model_len"), ({"num_kvcache_blocks": 2, "max_model_len": 64}, "KV cache"),
     ({"max_num_batched_tokens": 16, "max_model_len": 64}, "max_num_batched_tokens"),
-    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"), ({"gpu_memory_utilization": 1.0}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": 1.0}, "gpu_memory_utilization"),
 ])
 def test_bad_engine_options_raise_value_error(tiny_models, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -39,7 +39,8 @@ def server(tiny_models, tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("serve") / "server.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "nanoengine.serve", "--model", tiny_models["llama"],
-                             "--port", str(port), "--dtype", "float32", "--device", "cpu"], cwd=REPO_ROOT, stdout=log, stderr=log)
+                             "--port", str(port), "--dtype", "float32", "--device", "cpu"],
+                            cwd=REPO_ROOT, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90

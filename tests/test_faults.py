@@ -26,8 +26,8 @@ class Fault(Exception):
     pass
 
 
-def make_llm(model: str) -> LLM:
-    return LLM(model, device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=64)
+def make_llm(model: str, **kwargs) -> LLM:
+    return LLM(model, device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=64, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +77,19 @@ def test_engine_after_a_failed_step_matches_a_fresh_one(tiny_models, expected, w
     monkeypatch.undo()
     assert [out["token_ids"] for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
     assert llm.stats()["kvcache_blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize("where,n", [("prepare_prefill", 2), ("forward", 2), ("forward", 3), ("postprocess", 4)])
+def test_chunked_engine_after_a_failed_step_matches_a_fresh_one(tiny_models, expected, where, n, monkeypatch):
+    """With chunked prefill a step may fail after earlier chunks of its prompts were computed and
+    cached: those stay valid, the failed chunk's blocks must not be served."""
+    llm = make_llm(tiny_models["llama"], enable_chunked_prefill=True, max_num_batched_tokens=7)
+    inject(llm, where, n, monkeypatch)
+    with pytest.raises(Fault):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.stats()["kvcache_blocks_in_use"] == 0 and not llm.has_unfinished_requests()
+    monkeypatch.undo()
+    assert [out["token_ids"] for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
 
 
 def test_failed_step_ends_only_its_own_sequences(tiny_models, expected, monkeypatch):

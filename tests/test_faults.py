@@ -64,12 +64,18 @@ def inject(llm: LLM, where: str, n: int, monkeypatch) -> None:
         monkeypatch.setattr(bm, "cache_full_blocks", raise_on_call(n, bm.cache_full_blocks))
 
 
-@pytest.mark.parametrize("where,n", [
-    ("schedule", 2), ("prepare_prefill", 1), ("prepare_decode", 3), ("forward", 1), ("forward", 4),
-    ("sampling", 1), ("sampling", 5), ("postprocess", 3), ("postprocess", 9),
+CHUNKED = dict(enable_chunked_prefill=True, max_num_batched_tokens=7)
+
+
+@pytest.mark.parametrize("where,n,options", [
+    ("schedule", 2, {}), ("prepare_prefill", 1, {}), ("prepare_decode", 3, {}), ("forward", 1, {}),
+    ("forward", 4, {}), ("sampling", 1, {}), ("sampling", 5, {}), ("postprocess", 3, {}), ("postprocess", 9, {}),
+    # Chunked prefill: a step may fail after earlier chunks of its prompts were computed and cached;
+    # those stay valid, the failed chunk's blocks must not be served.
+    ("prepare_prefill", 2, CHUNKED), ("forward", 2, CHUNKED), ("forward", 3, CHUNKED), ("postprocess", 4, CHUNKED),
 ])
-def test_engine_after_a_failed_step_matches_a_fresh_one(tiny_models, expected, where, n, monkeypatch):
-    llm = make_llm(tiny_models["llama"])
+def test_engine_after_a_failed_step_matches_a_fresh_one(tiny_models, expected, where, n, options, monkeypatch):
+    llm = make_llm(tiny_models["llama"], **options)
     inject(llm, where, n, monkeypatch)
     with pytest.raises(Fault):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -77,19 +83,6 @@ def test_engine_after_a_failed_step_matches_a_fresh_one(tiny_models, expected, w
     monkeypatch.undo()
     assert [out["token_ids"] for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
     assert llm.stats()["kvcache_blocks_in_use"] == 0
-
-
-@pytest.mark.parametrize("where,n", [("prepare_prefill", 2), ("forward", 2), ("forward", 3), ("postprocess", 4)])
-def test_chunked_engine_after_a_failed_step_matches_a_fresh_one(tiny_models, expected, where, n, monkeypatch):
-    """With chunked prefill a step may fail after earlier chunks of its prompts were computed and
-    cached: those stay valid, the failed chunk's blocks must not be served."""
-    llm = make_llm(tiny_models["llama"], enable_chunked_prefill=True, max_num_batched_tokens=7)
-    inject(llm, where, n, monkeypatch)
-    with pytest.raises(Fault):
-        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert llm.stats()["kvcache_blocks_in_use"] == 0 and not llm.has_unfinished_requests()
-    monkeypatch.undo()
-    assert [out["token_ids"] for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
 
 
 def test_failed_step_ends_only_its_own_sequences(tiny_models, expected, monkeypatch):

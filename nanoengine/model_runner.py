@@ -212,21 +212,25 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
 
     def prepare_prefill(self, seqs: list[Sequence]):
+        """Inputs of a step in which some sequence computes more than its newest token: prompts,
+        chunks of prompts, and (with chunked prefill) decodes beside them, packed back to back.
+        Each sequence computes its tokens ``num_computed_tokens`` to ``+ num_scheduled_tokens``; the
+        ones before were cached or computed by earlier steps and are read back, not recomputed."""
         input_ids, positions, slots, cu_q, cu_k = [], [], [], [0], [0]
         for seq in seqs:
-            start = seq.num_cached_tokens  # the cached prefix is read back, not recomputed
-            input_ids += seq.token_ids[start:]
-            positions += range(start, seq.num_tokens)
-            slots += self._slots(seq, start, seq.num_tokens)
-            cu_q.append(cu_q[-1] + seq.num_tokens - start)
-            cu_k.append(cu_k[-1] + seq.num_tokens)
-        has_cached_prefix = any(seq.num_cached_tokens for seq in seqs)
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += self._slots(seq, start, end)
+            cu_q.append(cu_q[-1] + end - start)
+            cu_k.append(cu_k[-1] + end)
+        reads_cache = any(seq.num_computed_tokens for seq in seqs)
         ctx = Context(
             is_prefill=True, slot_mapping=self._tensor(slots, torch.int64),
             cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32),
             max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
             max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
-            block_tables=self._block_tables(seqs) if has_cached_prefix else None)
+            block_tables=self._block_tables(seqs) if reads_cache else None)
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx
 
     def prepare_decode(self, seqs: list[Sequence]):
@@ -243,14 +247,23 @@ class ModelRunner:
     # -- the step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        input_ids, positions, ctx = (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
-        if is_prefill or self.graph_runner is None:
+    def run(self, seqs: list[Sequence]) -> list[int | None]:
+        """One step; a token for each sequence whose computed tokens reach its end, None for a
+        prompt chunk with more to come."""
+        is_decode = all(seq.is_decode for seq in seqs)
+        input_ids, positions, ctx = (self.prepare_decode if is_decode else self.prepare_prefill)(seqs)
+        if not is_decode or self.graph_runner is None:
             hidden = self.model(input_ids, positions, ctx)
         else:
             hidden = self.graph_runner.run(input_ids, positions, ctx)
-        if is_prefill:
-            hidden = hidden[ctx.cu_seqlens_q[1:] - 1]  # only each sequence's last token samples
+        samples = [seq.num_computed_tokens + seq.num_scheduled_tokens == seq.num_tokens for seq in seqs]
+        if not is_decode:  # only the last token of a sequence's computed span samples
+            last_rows = torch.tensor([seq.num_scheduled_tokens for seq in seqs]).cumsum(0) - 1
+            hidden = hidden[last_rows[samples].to(hidden.device)]
+        token_ids = iter(self._sample(hidden, [seq for seq, s in zip(seqs, samples) if s]) if any(samples) else [])
+        return [next(token_ids) if s else None for s in samples]
+
+    def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         logits = self.model.compute_logits(hidden)
         params = [seq.sampling_params for seq in seqs]
         token_ids = self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],

@@ -131,7 +131,7 @@ def describe_exits(processes: list[subprocess.Popen], wait_seconds: float = 2.0)
     """Which workers have exited, and how; None if all run. A worker whose connection just closed
     may take a moment to be reaped, so wait up to ``wait_seconds`` for one to show."""
     deadline = time.monotonic() + wait_seconds
-    while all(p.poll() is None for p in processes) and time.monotonic() < deadline:
+    while processes and all(p.poll() is None for p in processes) and time.monotonic() < deadline:
         time.sleep(0.05)
     exits = [f"worker rank {rank} (pid {p.pid}) " + (f"was killed by {signal.Signals(-p.returncode).name}"
                                                       if p.returncode < 0 else f"exited with code {p.returncode}")

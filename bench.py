@@ -75,7 +75,7 @@ def main():
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization (default: none)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to split the model over (default: 1)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to split the model over")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the same requests")
     parser.add_argument("--preset", choices=["nano-vllm"], help="nano-vllm's workload: 256 seqs, in/out 100..1024")

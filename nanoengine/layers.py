@@ -132,8 +132,8 @@ class RowParallelLinear(Linear):
     def checkpoint_part(self, param_name: str, shard_id: None) -> CheckpointPart:
         if param_name == "bias":
             return tuple(self.bias.shape), (slice(None),), self.bias.data
-        shard = self.in_shard
-        return (self.out_features, shard.total), (slice(None), slice(shard.start, shard.start + shard.size)), self.weight.data
+        columns = slice(self.in_shard.start, self.in_shard.start + self.in_shard.size)
+        return (self.out_features, self.in_shard.total), (slice(None), columns), self.weight.data
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x, self.bias if self.adds_bias else None)

@@ -161,7 +161,8 @@ def test_step_inputs_travel_to_other_ranks_whatever_the_context_holds():
         thread.start()
     for thread in threads:
         thread.join()
-    ctx = Context(is_prefill=True, slot_mapping=torch.arange(5), cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32),
+    ctx = Context(is_prefill=True, slot_mapping=torch.arange(5),
+                  cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32),
                   cu_seqlens_k=torch.zeros(0, dtype=torch.int32), max_seqlen_q=3, max_seqlen_k=7,
                   block_tables=torch.arange(6, dtype=torch.int32).view(2, 3))
     sent = dict(input_ids=torch.tensor([9, 8, 7, 6, 5]), positions=torch.arange(5),

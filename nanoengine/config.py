@@ -18,7 +18,7 @@ class Config:
     kvcache_block_size: int | None = None  # None: 16 on CPU, 256 on CUDA (flash-attn's page size)
     num_kvcache_blocks: int | None = None  # None: sized from the memory budget
     enforce_eager: bool = False
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # ranks the model is split over (worker.py)
     gpu_memory_utilization: float = 0.9
     device: str = "auto"
     dtype: str = "auto"
@@ -46,8 +46,8 @@ class Config:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size must be 1 (the only value supported), got {self.tensor_parallel_size!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         # Strictly below 1: the rest is the margin for what no measurement sees (allocator rounding
         # and fragmentation, a library's lazily allocated workspace).
         if not 0 < self.gpu_memory_utilization < 1:

@@ -27,6 +27,7 @@ from nanoengine.model_runner import ModelRunner
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.scheduler import Scheduler
 from nanoengine.sequence import Sequence
+from nanoengine.worker import start_workers
 
 
 @contextmanager
@@ -59,7 +60,14 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(path)
         self.vocab_size = hf_config.vocab_size
         config.resolve_limits(hf_config.max_position_embeddings)
-        self.model_runner = ModelRunner(config, hf_config, path)
+        # Tensor parallelism: the other ranks start first, and load their shards as this one loads its own.
+        self.workers = start_workers(config, hf_config, path) if config.tensor_parallel_size > 1 else None
+        try:
+            self.model_runner = ModelRunner(config, hf_config, path, self.workers and self.workers.group)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown()
+            raise
         config.fit_to_kvcache(self.model_runner.num_kvcache_blocks, self.model_runner.block_size)
         eos_token_ids = load_eos_token_ids(path, hf_config, self.tokenizer)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.model_runner.block_size,

@@ -64,6 +64,11 @@ class Sequence:
                 and self.num_computed_tokens >= self.num_prompt_tokens)
 
     @property
+    def samples_this_step(self) -> bool:
+        """Whether this step's tokens reach the sequence's end, so that it samples the next one."""
+        return self.num_computed_tokens + self.num_scheduled_tokens == self.num_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 

@@ -266,8 +266,10 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization (default: none)")
+    parser.add_argument("--tensor-parallel-size", type=int, help="ranks to split the model over (default: 1)")
     args = parser.parse_args()
-    options = {k: v for k in ("max_model_len", "max_num_seqs", "num_kvcache_blocks", "dtype", "device", "quantization")
+    options = {k: v for k in ("max_model_len", "max_num_seqs", "num_kvcache_blocks", "dtype", "device", "quantization",
+                              "tensor_parallel_size")
                if (v := getattr(args, k)) is not None}
     try:
         engine = LLMEngine(args.model, **options)

@@ -2,7 +2,8 @@
 
 Each step it packs the scheduled sequences into flat input tensors, builds the step's attention
 metadata (slot mapping, cu_seqlens or context lengths, block tables), runs the model, and
-samples one token per sequence.
+samples one token per sample row: one per sequence, or ``n`` from one logit row at a request's
+first sample. Logprobs are computed only when some sequence of the step asks for them.
 """
 
 import contextlib
@@ -20,7 +21,7 @@ from nanoengine.graph_runner import DecodeGraphRunner
 from nanoengine.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from nanoengine.loader import load_weights
 from nanoengine.model import CausalLM
-from nanoengine.sampler import Sampler
+from nanoengine.sampler import Sampler, SamplerOutput, compute_logprobs
 from nanoengine.sequence import Sequence
 
 CPU_KVCACHE_BYTES = 1 << 30  # the RAM budget for the KV cache on CPU
@@ -243,17 +244,50 @@ class ModelRunner:
     # -- the step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+    def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+        """Copy-on-write copies, before the step's forward; in order, since a block copied from
+        early in the list may have been freed and handed out as a later copy's destination."""
+        for src, dst in blocks_to_copy:
+            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
         input_ids, positions, ctx = (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
         if is_prefill or self.graph_runner is None:
             hidden = self.model(input_ids, positions, ctx)
         else:
             hidden = self.graph_runner.run(input_ids, positions, ctx)
+        prompt_logprobs = None
+        if is_prefill and any(seq.needs_prompt_logprobs for seq in seqs):
+            prompt_logprobs = self._prompt_logprobs(seqs, hidden, ctx)
         if is_prefill:
             hidden = hidden[ctx.cu_seqlens_q[1:] - 1]  # only each sequence's last token samples
         logits = self.model.compute_logits(hidden)
-        params = [seq.sampling_params for seq in seqs]
-        token_ids = self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],
-                                 [p.top_p for p in params], [p.seed for p in params],
-                                 [seq.num_tokens for seq in seqs])
-        return token_ids.tolist()
+        rows = [(seq.sampling_params, index, seq.num_tokens) for seq in seqs for index in seq.sample_indices]
+        if len(rows) > len(seqs):  # a request's first sample: n rows from its one row of logits
+            counts = torch.tensor([len(seq.sample_indices) for seq in seqs], device=logits.device)
+            logits = logits.repeat_interleave(counts, dim=0)
+        token_ids = self.sampler(logits, [p.temperature for p, _, _ in rows], [p.top_k for p, _, _ in rows],
+                                 [p.top_p for p, _, _ in rows], [p.sample_seed(i) for p, i, _ in rows],
+                                 [n for _, _, n in rows])
+        logprobs = None
+        if any(p.logprobs is not None for p, _, _ in rows):
+            logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p, _, _ in rows])
+        return SamplerOutput(token_ids.tolist(), logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor,
+                         ctx: Context) -> list[list[dict[int, float]] | None]:
+        """Per sequence that asks, the logprobs of the prompt tokens its step's positions predict
+        (the token after each); None for the others. The block manager gave such a sequence no
+        cached prefix, so every prompt position is computed."""
+        cu, out = ctx.cu_seqlens_q.tolist(), []
+        for seq, first_row, end_row in zip(seqs, cu, cu[1:]):
+            if not seq.needs_prompt_logprobs:
+                out.append(None)
+                continue
+            start = seq.num_cached_tokens  # the position of the sequence's first row in the step
+            num_rows = min(start + end_row - first_row, seq.num_prompt_tokens - 1) - start
+            logits = self.model.compute_logits(hidden[first_row:first_row + num_rows])
+            targets = torch.tensor(seq.token_ids[start + 1:start + 1 + num_rows], device=logits.device)
+            out.append(compute_logprobs(logits, targets, [seq.sampling_params.prompt_logprobs] * num_rows))
+        return out

@@ -74,6 +74,9 @@ def main():
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--enable-chunked-prefill", action="store_true",
+                        help="mix decodes and prompt chunks in one step (vLLM V1's scheduling)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="the step's token budget (default: the engine's)")
     parser.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization (default: none)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the same requests")
@@ -87,7 +90,8 @@ def main():
             parser.error(f"--{lo.replace('_', '-')} must be >= 1 and <= --{hi.replace('_', '-')}")
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-              quantization=args.quantization, max_model_len=args.max_input_len + args.max_output_len)
+              quantization=args.quantization, max_model_len=args.max_input_len + args.max_output_len,
+              enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens)
     prompts, output_lens = make_requests(args, llm.vocab_size)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up

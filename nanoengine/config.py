@@ -23,6 +23,7 @@ class Config:
     device: str = "auto"
     dtype: str = "auto"
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = False  # mix decodes and prompt chunks in one step (scheduler.py)
     quantization: str | None = None  # None, "int8" or "int4": weight-only (quantization.py)
     # Set by resolve_limits: whether max_model_len was left to default (it may then shrink to fit the cache).
     max_model_len_is_default: bool = field(default=False, init=False, repr=False)
@@ -40,6 +41,9 @@ class Config:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
         if self.tensor_parallel_size != 1:
@@ -91,8 +95,8 @@ class Config:
     def fit_to_kvcache(self, num_kvcache_blocks: int, block_size: int) -> None:
         """Make sure every admissible sequence can be served by the cache and the token budget.
 
-        A sequence of ``max_model_len`` tokens must fit in the whole KV cache and in one prefill
-        step's token budget, or it would wait forever.
+        A sequence of ``max_model_len`` tokens must fit in the whole KV cache and, unless chunked
+        prefill splits it over several steps, in one step's token budget, or it would wait forever.
         """
         capacity = num_kvcache_blocks * block_size
         if self.max_model_len > capacity:
@@ -103,6 +107,7 @@ class Config:
             self.max_model_len = capacity
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_model_len)
-        elif self.max_num_batched_tokens < self.max_model_len:
+        elif self.max_num_batched_tokens < self.max_model_len and not self.enable_chunked_prefill:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
-                             f"max_model_len={self.max_model_len}: a long prompt could never be scheduled")
+                             f"max_model_len={self.max_model_len}: a long prompt could never be scheduled "
+                             "(unless enable_chunked_prefill=True splits it)")

@@ -67,7 +67,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.model_runner.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, eos_token_ids)
+                                   config.max_model_len, eos_token_ids, config.enable_chunked_prefill)
         self.requests: dict[int, Sequence] = {}  # request id -> its first sequence
         # Cumulative; "<phase>_tokens" counts the tokens the model computed in that phase.
         self.counters = dict.fromkeys(["prompt_tokens", "generated_tokens", "prefill_steps", "prefill_tokens",
@@ -126,7 +126,8 @@ class LLMEngine:
                 self.scheduler.finish(sample, "abort")
 
     def step(self) -> list[Sequence]:
-        """Advance by one model step; returns the sequences that got a token (none when idle).
+        """Advance by one model step; returns the sequences that got a token (none when idle, or
+        when the step only computed chunks of prompts).
 
         If the step fails, its requests are aborted (finish_reason "abort") before the error
         propagates: they may have been half computed, and a caller cannot tell which.
@@ -134,12 +135,14 @@ class LLMEngine:
         if self.scheduler.is_finished():
             return []
         with interrupts_deferred():
-            seqs, is_prefill = self.scheduler.schedule()
-        num_tokens = sum(seq.num_tokens - seq.num_cached_tokens for seq in seqs) if is_prefill else len(seqs)
+            seqs = self.scheduler.schedule()
+        # A step that computes any prompt token is a prefill step (with chunked prefill, decodes too).
+        phase = "decode" if all(seq.is_decode for seq in seqs) else "prefill"
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         start = time.perf_counter()
         try:
             self.model_runner.copy_blocks(self.scheduler.blocks_to_copy)
-            out = self.model_runner.run(seqs, is_prefill)
+            out = self.model_runner.run(seqs)
             with interrupts_deferred():
                 stepped = self.scheduler.postprocess(seqs, out.token_ids, out.logprobs, out.prompt_logprobs)
         except BaseException:
@@ -147,7 +150,6 @@ class LLMEngine:
                 for seq in seqs:
                     self.abort_request(seq.request_id)
             raise
-        phase = "prefill" if is_prefill else "decode"
         self.counters[f"{phase}_steps"] += 1
         self.counters[f"{phase}_tokens"] += num_tokens
         self.counters[f"{phase}_seconds"] += time.perf_counter() - start

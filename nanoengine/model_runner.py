@@ -213,21 +213,25 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
 
     def prepare_prefill(self, seqs: list[Sequence]):
+        """Inputs of a step in which some sequence computes more than its newest token: prompts,
+        chunks of prompts, and (with chunked prefill) decodes beside them, packed back to back.
+        Each sequence computes its tokens ``num_computed_tokens`` to ``+ num_scheduled_tokens``; the
+        ones before were cached or computed by earlier steps and are read back, not recomputed."""
         input_ids, positions, slots, cu_q, cu_k = [], [], [], [0], [0]
         for seq in seqs:
-            start = seq.num_cached_tokens  # the cached prefix is read back, not recomputed
-            input_ids += seq.token_ids[start:]
-            positions += range(start, seq.num_tokens)
-            slots += self._slots(seq, start, seq.num_tokens)
-            cu_q.append(cu_q[-1] + seq.num_tokens - start)
-            cu_k.append(cu_k[-1] + seq.num_tokens)
-        has_cached_prefix = any(seq.num_cached_tokens for seq in seqs)
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += self._slots(seq, start, end)
+            cu_q.append(cu_q[-1] + end - start)
+            cu_k.append(cu_k[-1] + end)
+        reads_cache = any(seq.num_computed_tokens for seq in seqs)
         ctx = Context(
             is_prefill=True, slot_mapping=self._tensor(slots, torch.int64),
             cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32),
             max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
             max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
-            block_tables=self._block_tables(seqs) if has_cached_prefix else None)
+            block_tables=self._block_tables(seqs) if reads_cache else None)
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx
 
     def prepare_decode(self, seqs: list[Sequence]):
@@ -251,17 +255,34 @@ class ModelRunner:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
-        input_ids, positions, ctx = (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
-        if is_prefill or self.graph_runner is None:
+    def run(self, seqs: list[Sequence]) -> SamplerOutput:
+        """One step; rows of sampled tokens for each sequence whose computed tokens reach its end
+        (``seq.sample_indices``), a None row for a prompt chunk with more to come."""
+        is_decode = all(seq.is_decode for seq in seqs)
+        input_ids, positions, ctx = (self.prepare_decode if is_decode else self.prepare_prefill)(seqs)
+        if not is_decode or self.graph_runner is None:
             hidden = self.model(input_ids, positions, ctx)
         else:
             hidden = self.graph_runner.run(input_ids, positions, ctx)
         prompt_logprobs = None
-        if is_prefill and any(seq.needs_prompt_logprobs for seq in seqs):
-            prompt_logprobs = self._prompt_logprobs(seqs, hidden, ctx)
-        if is_prefill:
-            hidden = hidden[ctx.cu_seqlens_q[1:] - 1]  # only each sequence's last token samples
+        if not is_decode and any(seq.needs_prompt_logprobs for seq in seqs):
+            prompt_logprobs = self._prompt_logprobs(seqs, hidden)
+        samples = [seq.samples for seq in seqs]
+        if not is_decode:  # only the last token of a sequence's computed span samples
+            last_rows = torch.tensor([seq.num_scheduled_tokens for seq in seqs]).cumsum(0) - 1
+            hidden = hidden[last_rows[samples].to(hidden.device)]
+        sampled = self._sample(hidden, [seq for seq, s in zip(seqs, samples) if s]) if any(samples) else SamplerOutput([])
+        sampled.prompt_logprobs = prompt_logprobs
+        if all(samples) and len(sampled.token_ids) == len(seqs):  # the usual step: one row per sequence
+            return sampled
+        # Back to a row per sample and a None row per sequence that did not sample.
+        is_sample = [s for seq, s in zip(seqs, samples) for _ in (seq.sample_indices if s else [None])]
+        tokens, logprobs = iter(sampled.token_ids), iter(sampled.logprobs or [])
+        return SamplerOutput([next(tokens) if s else None for s in is_sample],
+                             None if sampled.logprobs is None else [next(logprobs) if s else None for s in is_sample],
+                             prompt_logprobs)
+
+    def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         logits = self.model.compute_logits(hidden)
         rows = [(seq.sampling_params, index, seq.num_tokens) for seq in seqs for index in seq.sample_indices]
         if len(rows) > len(seqs):  # a request's first sample: n rows from its one row of logits
@@ -273,21 +294,21 @@ class ModelRunner:
         logprobs = None
         if any(p.logprobs is not None for p, _, _ in rows):
             logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p, _, _ in rows])
-        return SamplerOutput(token_ids.tolist(), logprobs, prompt_logprobs)
+        return SamplerOutput(token_ids.tolist(), logprobs)
 
-    def _prompt_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor,
-                         ctx: Context) -> list[list[dict[int, float]] | None]:
+    def _prompt_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[list[dict[int, float]] | None]:
         """Per sequence that asks, the logprobs of the prompt tokens its step's positions predict
         (the token after each); None for the others. The block manager gave such a sequence no
-        cached prefix, so every prompt position is computed."""
-        cu, out = ctx.cu_seqlens_q.tolist(), []
-        for seq, first_row, end_row in zip(seqs, cu, cu[1:]):
-            if not seq.needs_prompt_logprobs:
+        cached prefix, so every prompt position is computed, in this step or its earlier chunks."""
+        out, row = [], 0
+        for seq in seqs:
+            start = seq.num_computed_tokens
+            if seq.needs_prompt_logprobs:
+                num_rows = max(0, min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1) - start)
+                logits = self.model.compute_logits(hidden[row:row + num_rows])
+                targets = torch.tensor(seq.token_ids[start + 1:start + 1 + num_rows], device=hidden.device)
+                out.append(compute_logprobs(logits, targets, [seq.sampling_params.prompt_logprobs] * num_rows))
+            else:
                 out.append(None)
-                continue
-            start = seq.num_cached_tokens  # the position of the sequence's first row in the step
-            num_rows = min(start + end_row - first_row, seq.num_prompt_tokens - 1) - start
-            logits = self.model.compute_logits(hidden[first_row:first_row + num_rows])
-            targets = torch.tensor(seq.token_ids[start + 1:start + 1 + num_rows], device=logits.device)
-            out.append(compute_logprobs(logits, targets, [seq.sampling_params.prompt_logprobs] * num_rows))
+            row += seq.num_scheduled_tokens
         return out

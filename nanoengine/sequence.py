@@ -33,9 +33,14 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.block_size = block_size
-        # Tokens at the start of the sequence whose K/V were found in the prefix cache at the
-        # last prefill; the model runner computes only the rest.
+        # Tokens at the start of the sequence whose K/V were found in the prefix cache when it was
+        # last admitted (the model runner never computes them), and tokens whose K/V are in the
+        # cache by now (cached or computed by earlier steps). The scheduler sets, for each step,
+        # how many tokens past ``num_computed_tokens`` that step computes: a whole prompt, a chunk
+        # of one, or 1 (the newest token, in decode).
         self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
+        self.num_scheduled_tokens = 0
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
         self.request_id = self.seq_id  # the first sequence's id names the request
@@ -70,12 +75,24 @@ class Sequence:
         return (len(self.token_ids) + self.block_size - 1) // self.block_size
 
     @property
+    def is_decode(self) -> bool:
+        """Whether this step computes only the token sampled last, the one past the prompt without K/V."""
+        return (self.num_scheduled_tokens == 1 and self.num_computed_tokens == self.num_tokens - 1
+                and self.num_computed_tokens >= self.num_prompt_tokens)
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
     def block(self, i: int) -> list[int]:
         """Token ids of logical block ``i``."""
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step's tokens reach the sequence's end, so that it samples (a prompt chunk
+        with more to come does not)."""
+        return self.num_computed_tokens + self.num_scheduled_tokens == self.num_tokens
 
     @property
     def sample_indices(self) -> range:

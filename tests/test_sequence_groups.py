@@ -184,3 +184,20 @@ def test_bad_chat_and_beam_search_calls_raise_before_anything_is_queued(llm):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=llm.config.max_model_len))
     assert not llm.has_unfinished_requests() and llm.stats()["kvcache_blocks_in_use"] == 0
+
+
+def test_chunked_prefill_forks_and_computes_prompt_logprobs_as_a_whole_prompt_does(tiny_models, llm):
+    """With chunked prefill a prompt is computed over several steps; it samples (and forks) only
+    when its last chunk is computed, and each chunk adds its positions' prompt logprobs."""
+    chunked = LLM(tiny_models["llama"], dtype="float32", device="cpu", kvcache_block_size=16, num_kvcache_blocks=256,
+                  enable_chunked_prefill=True, max_num_batched_tokens=24, max_num_seqs=8)
+    params = [SamplingParams(temperature=0, max_tokens=5, n=2, prompt_logprobs=2, logprobs=1),
+              SamplingParams(temperature=0.3, seed=2, max_tokens=5, n=3)]
+    prompts = [PROMPT, [t + 7 for t in PROMPT]]
+    got, expected = chunked.generate(prompts, params, use_tqdm=False), llm.generate(prompts, params, use_tqdm=False)
+    assert chunked.stats()["prefill_steps"] > 2 and chunked.stats()["kvcache_blocks_in_use"] == 0
+    for g, e in zip(got, expected):
+        assert [o["token_ids"] for o in g["outputs"]] == [o["token_ids"] for o in e["outputs"]]
+    assert len(got[0]["prompt_logprobs"]) == len(PROMPT)
+    for g, e in zip(got[0]["prompt_logprobs"][1:], expected[0]["prompt_logprobs"][1:]):
+        assert g.keys() == e.keys() and all(abs(g[t] - e[t]) < 1e-4 for t in g)

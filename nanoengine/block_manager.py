@@ -19,6 +19,13 @@ K/V is stored before anyone attends); that registration is a promise until the s
 promised block that is freed first, because its step raised or was interrupted and the engine
 aborted the step's sequences, loses its hash. So no later prompt can read K/V that were never
 written, or written for some layers and not others.
+
+Forked sequences (the ``n`` samples of one prompt) share every block of the prompt by reference
+count, the partial last one included. Whoever appends a token to a block that someone else still
+holds first gets a copy of it (copy on write: ``may_append`` returns the copy for the model
+runner to make before the step). Copying one block costs a memory copy; recomputing the prompt's
+partial tail instead would cost each child a prefill of up to ``block_size - 1`` tokens, and the
+prompt would no longer be computed once.
 """
 
 from array import array
@@ -74,7 +81,8 @@ class BlockManager:
         Only full blocks before the sequence's last token are eligible: the last token is always
         computed, because the model needs its hidden state to produce the next token's logits.
         """
-        if not self.enable_prefix_caching:
+        # Prompt logprobs need the logits of every prompt position: nothing is read back.
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         hits, prefix_hash = [], -1
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -131,16 +139,34 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_tokens = seq.num_computed_tokens = 0
 
+    def fork(self, parent: Sequence, sample_index: int) -> Sequence:
+        """A child of ``parent`` for sample ``sample_index``, sharing every block of its table."""
+        child = parent.fork(sample_index)
+        for block_id in child.block_table:
+            self.blocks[block_id].ref_count += 1
+        return child
+
     # -- decode -------------------------------------------------------------------------------
+
+    def _needs_block(self, seq: Sequence) -> bool:
+        """The newest token starts a new block, or lands in one a forked sibling still holds."""
+        return len(seq.block_table) < seq.num_blocks or self.blocks[seq.block_table[-1]].ref_count > 1
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the slot for the sequence's newest token can be found or made."""
-        return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks > 0
+        return not self._needs_block(seq) or self.num_free_blocks > 0
 
-    def may_append(self, seq: Sequence) -> None:
-        """Before a decode step: the newest token starts a new block exactly at a boundary."""
+    def may_append(self, seq: Sequence) -> tuple[int, int] | None:
+        """Before a decode step, give the newest token a slot of its own: a new block exactly at a
+        boundary; a copy of a shared last block, returned as ``(source, destination)`` to copy."""
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._take_free_block().block_id)
+        elif self.blocks[seq.block_table[-1]].ref_count > 1:
+            shared, copy = self.blocks[seq.block_table[-1]], self._take_free_block()
+            shared.ref_count -= 1
+            seq.block_table[-1] = copy.block_id
+            return shared.block_id, copy.block_id
+        return None
 
     # -- after a step --------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 Each step it packs the scheduled sequences into flat input tensors, builds the step's attention
 metadata (slot mapping, cu_seqlens or context lengths, block tables), runs the model, and
-samples one token per sequence.
+samples one token per sample row: one per sequence, or ``n`` from one logit row at a request's
+first sample. Logprobs are computed only when some sequence of the step asks for them.
 
 With tensor parallelism every rank has a model runner over its shard of the model and its own KV
 cache (its kv heads); rank 0's also sends each step's inputs to the others (``compute_logits``),
@@ -26,7 +27,7 @@ from nanoengine.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from nanoengine.loader import load_weights
 from nanoengine.model import CausalLM
 from nanoengine.parallel import TensorParallelGroup
-from nanoengine.sampler import Sampler
+from nanoengine.sampler import Sampler, SamplerOutput, compute_logprobs
 from nanoengine.sequence import Sequence
 
 CPU_KVCACHE_BYTES = 1 << 30  # the RAM budget for the KV cache on CPU
@@ -235,7 +236,11 @@ class ModelRunner:
             cu_q.append(cu_q[-1] + end - start)
             cu_k.append(cu_k[-1] + end)
         reads_cache = any(seq.num_computed_tokens for seq in seqs)
-        logits_indices = [end - 1 for seq, end in zip(seqs, cu_q[1:]) if seq.samples_this_step]
+        # The rows whose logits are needed: prompt positions that score prompt logprobs, then the sample.
+        logits_indices = []
+        for seq, first, end in zip(seqs, cu_q, cu_q[1:]):
+            logits_indices += [first + p - seq.num_computed_tokens for p in seq.prompt_logprob_positions]
+            logits_indices += [end - 1] if seq.samples else []
         ctx = Context(
             is_prefill=True, slot_mapping=self._tensor(slots, torch.int64),
             cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32),
@@ -259,22 +264,53 @@ class ModelRunner:
     # -- the step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> list[int | None]:
-        """One step; a token for each sequence whose computed tokens reach its end, None for a
-        prompt chunk with more to come."""
+    def run(self, seqs: list[Sequence], blocks_to_copy: list[tuple[int, int]] = ()) -> SamplerOutput:
+        """One step; rows of sampled tokens for each sequence whose computed tokens reach its end
+        (``seq.sample_indices``), a None row for a prompt chunk with more to come. First, the
+        scheduler's copy-on-write block copies."""
         is_decode = all(seq.is_decode for seq in seqs)
         input_ids, positions, ctx = (self.prepare_decode if is_decode else self.prepare_prefill)(seqs)
+        if blocks_to_copy:
+            ctx.blocks_to_copy = self._tensor(blocks_to_copy, torch.int64)
         logits = self.compute_logits(input_ids, positions, ctx)
-        sampling = [seq for seq in seqs if seq.samples_this_step]
-        token_ids = iter(self._sample(logits, sampling) if sampling else [])
-        return [next(token_ids) if seq.samples_this_step else None for seq in seqs]
+        prompt_logprobs = None
+        if any(seq.needs_prompt_logprobs for seq in seqs):  # rows per sequence: prompt positions, then its sample
+            prompt_logprobs, sample_rows, row = [], [], 0
+            for seq in seqs:
+                span = seq.prompt_logprob_positions
+                targets = torch.tensor(seq.token_ids[span.start + 1:span.stop + 1], device=logits.device)
+                prompt_logprobs.append(compute_logprobs(logits[row:row + len(span)], targets,
+                                                        [seq.sampling_params.prompt_logprobs] * len(span))
+                                       if seq.needs_prompt_logprobs else None)
+                row += len(span)
+                if seq.samples:
+                    sample_rows.append(row)
+                    row += 1
+            logits = logits[sample_rows]
+        samples = [seq.samples for seq in seqs]
+        sampled = self._sample(logits, [seq for seq, s in zip(seqs, samples) if s]) if any(samples) else SamplerOutput([])
+        sampled.prompt_logprobs = prompt_logprobs
+        if all(samples) and len(sampled.token_ids) == len(seqs):  # the usual step: one row per sequence
+            return sampled
+        # Back to a row per sample and a None row per sequence that did not sample.
+        is_sample = [s for seq, s in zip(seqs, samples) for _ in (seq.sample_indices if s else [None])]
+        tokens, logprobs = iter(sampled.token_ids), iter(sampled.logprobs or [])
+        return SamplerOutput([next(tokens) if s else None for s in is_sample],
+                             None if sampled.logprobs is None else [next(logprobs) if s else None for s in is_sample],
+                             prompt_logprobs)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        params = [seq.sampling_params for seq in seqs]
-        token_ids = self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],
-                                 [p.top_p for p in params], [p.seed for p in params],
-                                 [seq.num_tokens for seq in seqs])
-        return token_ids.tolist()
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        rows = [(seq.sampling_params, index, seq.num_tokens) for seq in seqs for index in seq.sample_indices]
+        if len(rows) > len(seqs):  # a request's first sample: n rows from its one row of logits
+            counts = torch.tensor([len(seq.sample_indices) for seq in seqs], device=logits.device)
+            logits = logits.repeat_interleave(counts, dim=0)
+        token_ids = self.sampler(logits, [p.temperature for p, _, _ in rows], [p.top_k for p, _, _ in rows],
+                                 [p.top_p for p, _, _ in rows], [p.sample_seed(i) for p, i, _ in rows],
+                                 [n for _, _, n in rows])
+        logprobs = None
+        if any(p.logprobs is not None for p, _, _ in rows):
+            logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p, _, _ in rows])
+        return SamplerOutput(token_ids.tolist(), logprobs)
 
     def compute_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
         """Rank 0's forward. With tensor parallelism it first sends the step's inputs to the other
@@ -286,8 +322,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor | None:
-        """The logits of the tokens that sample (on rank 0; None on the other ranks): every rank runs
+        """The logits of the rows that need them (on rank 0; None on the other ranks): every rank runs
         this on the same inputs, so what it computes must follow from them alone."""
+        if ctx.blocks_to_copy is not None:
+            # In order: a block copied from early in the list may since have been freed and handed
+            # out as a later copy's destination.
+            for src, dst in ctx.blocks_to_copy.tolist():
+                self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         if ctx.is_prefill or self.graph_runner is None:
             hidden = self.model(input_ids, positions, ctx)
         else:

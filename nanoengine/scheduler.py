@@ -17,6 +17,11 @@ When a running sequence needs a new KV block and none is free, the most recently
 is preempted: its blocks are freed and it returns to the head of the waiting queue, to be
 recomputed from its prompt plus what it has generated so far (much of it usually comes back from
 the prefix cache).
+
+After each step ``postprocess`` is the one place a sequence's new token lands: a request's first
+sample forks its other samples here, and every stop condition (EOS, ``stop_token_ids``, a
+``stop`` string in the detokenized text, length) is checked here, for ``generate`` and the server
+alike.
 """
 
 from collections import deque
@@ -38,6 +43,8 @@ class Scheduler:
         self.running: deque[Sequence] = deque()  # in order of admission: the tail is the newest
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
+        # (source, destination) block copies the next step must make before its forward: copy on write.
+        self.blocks_to_copy: list[tuple[int, int]] = []
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -47,6 +54,7 @@ class Scheduler:
 
     def schedule(self) -> list[Sequence]:
         """Pick the next step's sequences and set each one's ``num_scheduled_tokens``."""
+        self.blocks_to_copy = []
         budget = self.max_num_batched_tokens
         if self.enable_chunked_prefill:
             scheduled = self._schedule_running(budget)
@@ -70,7 +78,8 @@ class Scheduler:
                 if seq.status != SequenceStatus.RUNNING:
                     break
             else:
-                self.block_manager.may_append(seq)
+                if (copy := self.block_manager.may_append(seq)) is not None:
+                    self.blocks_to_copy.append(copy)
                 seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 budget -= seq.num_scheduled_tokens
                 scheduled.append(seq)
@@ -116,20 +125,51 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> None:
-        """Record each sequence's computed tokens; append the new token of those that sampled one
-        (None: a prompt chunk that is not the last) and retire the sequences that are done."""
-        for seq, token_id in zip(seqs, token_ids):
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int | None],
+                    logprobs: list[dict[int, float] | None] | None = None,
+                    prompt_logprobs: list[list[dict[int, float]] | None] | None = None) -> list[Sequence]:
+        """Record each sequence's computed tokens, append the new tokens of those that sampled and
+        retire the sequences that are done; returns the sequences that got a token (the step's,
+        then the children it forked).
+
+        ``token_ids`` (and ``logprobs``) hold a row per sample, ``seq.sample_indices`` of each
+        sequence that samples (``seq.samples``: a request's first sample brings ``n`` rows and forks
+        ``n - 1`` children), and one None row for a prompt chunk with more to come.
+        """
+        stepped, children, row = [], [], 0
+        for i, seq in enumerate(seqs):
+            start, samples = seq.num_computed_tokens, seq.samples
             seq.num_computed_tokens += seq.num_scheduled_tokens
             self.block_manager.cache_full_blocks(seq)  # the step wrote its K/V: keep or add cache entries
-            if token_id is None:
+            if prompt_logprobs is not None and prompt_logprobs[i] is not None:
+                # Entry p is token p's; a prompt recomputed after a preemption overwrites its own.
+                seq.prompt_logprobs = (seq.prompt_logprobs or [None])[:start + 1] + prompt_logprobs[i]
+            if not samples:
+                row += 1
                 continue
-            seq.append_token(token_id)
-            params = seq.sampling_params
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                self.finish(seq, "stop")
-            elif seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                self.finish(seq, "length")
+            forked = [self.block_manager.fork(seq, index) for index in seq.sample_indices[1:]]
+            self.running.extend(forked)  # the newest: preempted first
+            children += forked
+            stepped.append(seq)
+            for sample in [seq] + forked:
+                self._append(sample, token_ids[row], None if logprobs is None else logprobs[row])
+                row += 1
+        return stepped + children
+
+    def _append(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None) -> None:
+        """Append one sampled token and finish the sequence if a stop condition is met."""
+        seq.append_token(token_id, logprobs)
+        params, reason = seq.sampling_params, None
+        if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
+            reason = "stop"
+        elif seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if seq.detokenizer is not None:  # made by the engine; a unit test's bare sequence has none
+            seq.detokenizer.add([token_id], finished=reason is not None)
+            if seq.detokenizer.stopped:  # the text now holds a stop string, and is cut before it
+                reason = "stop"
+        if reason is not None:
+            self.finish(seq, reason)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (done, or aborted by its caller) and free its blocks at once."""

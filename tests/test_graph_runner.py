@@ -12,8 +12,9 @@ gpu_memory_utilization.
 import pytest
 import torch
 
-from nanoengine.engine import LLM, LLMEngine
+from nanoengine.engine import LLMEngine
 from nanoengine.graph_runner import DecodeGraphRunner, decode_buckets
+from nanoengine.llm import LLM
 from nanoengine.sampling_params import SamplingParams
 
 MAX_NUM_SEQS = 24

@@ -114,6 +114,21 @@ def test_chunked_prefill_steps_match_size_one(engines):
     assert got == expected
 
 
+def test_forked_samples_and_prompt_logprobs_match_size_one(engines):
+    """n samples share their prompt's partial last block until each copies it (every rank copies
+    its own KV cache's block); prompt logprobs read logit rows of every prompt position."""
+    single, tp = engines
+    prompts = shared_prefix_prompts(single.vocab_size)[3:5]  # 30 and 12 tokens: partial last blocks
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2, prompt_logprobs=2)
+    expected, got = (llm.generate(prompts, params, use_tqdm=False) for llm in (single, tp))
+    for e, g in zip(expected, got):
+        assert [o["token_ids"] for o in g["outputs"]] == [o["token_ids"] for o in e["outputs"]]
+        assert g["prompt_logprobs"][0] is None and len(g["prompt_logprobs"]) == len(e["prompt_logprobs"])
+        for e_pos, g_pos in zip(e["prompt_logprobs"][1:], g["prompt_logprobs"][1:]):
+            assert e_pos.keys() == g_pos.keys()
+            assert all(abs(e_pos[t] - g_pos[t]) < 1e-3 for t in e_pos)
+
+
 def test_fewer_kv_heads_than_ranks_are_replicated(tokenizer, tmp_path):
     """One kv head, two ranks: each rank keeps it (its KV cache holds one head) and the tokens are
     size 1's. Deleting the engine ends its worker."""

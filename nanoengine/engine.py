@@ -142,6 +142,8 @@ class LLMEngine:
 
     def stats(self) -> dict:
         return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
             "num_kvcache_blocks": len(self.block_manager.blocks),
             "kvcache_blocks_in_use": self.block_manager.num_used_blocks,
             "num_preemptions": self.scheduler.num_preemptions,

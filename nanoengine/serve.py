@@ -1,15 +1,16 @@
 """An OpenAI-compatible HTTP server: ``python -m nanoengine.serve --model PATH --port 8000``.
 
-FastAPI turns each request into token ids and ``SamplingParams``, hands them to the
-``AsyncLLMEngine`` and turns the tokens that come back into text: whole, or streamed as
-server-sent events in OpenAI's chunk format, through a ``Detokenizer``, which also finds stop
-strings in the text; one ends the request early. However a response ends (done, stop string,
-client gone), its request is aborted, so the KV blocks of a client that disconnects are freed at
-once.
+FastAPI turns each request (its schema: openai_protocol.py) into token ids and
+``SamplingParams``, hands them to the ``AsyncLLMEngine`` and turns the tokens that come back into
+text: whole, or streamed as server-sent events in OpenAI's chunk format, through a
+``Detokenizer``, which also finds stop strings in the text; one ends the request early. However
+a response ends (done, stop string, client gone), its request is aborted, so the KV blocks of a
+client that disconnects are freed at once. The event loop only moves bytes and text: prompts are
+tokenized in worker threads, and the model runs on the engine's own thread.
 
 Errors are OpenAI's JSON: 400 for a bad request, 500 when the step running a request failed
 (in a stream: an error event, then ``[DONE]``), 503 from every endpoint, ``/health`` included,
-once the engine thread has stopped.
+once the engine thread has stopped. ``/metrics`` serves Prometheus's text format (metrics.py).
 """
 
 import argparse
@@ -18,58 +19,27 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Awaitable, Literal
+from typing import AsyncIterator, Awaitable
 
-import uvicorn
+try:
+    import fastapi  # noqa: F401
+    import prometheus_client  # noqa: F401
+    import uvicorn
+except ImportError as e:  # the server's dependencies are an extra: say which, rather than a traceback
+    raise SystemExit(f"nanoengine.serve needs {e.name}, which the 'serve' extra installs: "
+                     "pip install -e \".[serve]\"") from None
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict
 
 from nanoengine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, RequestStream
 from nanoengine.detokenizer import Detokenizer
 from nanoengine.engine import LLMEngine
 from nanoengine.loader import DEFAULT_MODEL_FILE
-from nanoengine.sampling_params import SamplingParams
-
-
-class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class _Request(BaseModel):
-    # Strict: "5" is not an integer. Extras forbidden: an unsupported option (logprobs,
-    # presence_penalty, ...) fails loudly instead of being silently ignored.
-    model_config = ConfigDict(strict=True, extra="forbid")
-    model: str | None = None  # one model is served; the name is echoed back
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # top_k and ignore_eos extend OpenAI's API, as in vLLM
-    ignore_eos: bool = False
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: dict[str, bool] | None = None  # {"include_usage": true} adds a usage chunk
-
-
-class CompletionRequest(_Request):
-    prompt: str | list[int]
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # the newer name for max_tokens
+from nanoengine.metrics import RequestClock, ServerMetrics
+from nanoengine.openai_protocol import (BadRequest, ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAIRequest,
+                                        error_body, sampling_params)
 
 
 class EventStream(StreamingResponse):
@@ -84,10 +54,6 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.stream.abort()
-
-
-def error_body(message: str, error_type: str = "invalid_request_error", param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": None}}
 
 
 def error_response(message: str, param: str | None = None) -> JSONResponse:
@@ -119,15 +85,6 @@ async def unless_disconnected(request: Request, work: Awaitable[dict]) -> dict |
     return Response(status_code=499)  # nginx's "client closed request": nobody is left to read it
 
 
-def sampling_params(req: _Request, max_tokens: int) -> SamplingParams:
-    if req.n != 1:
-        raise BadRequest(f"n must be 1 (only one completion per request is supported), got {req.n}", "n")
-    if isinstance(req.stop, list) and not all(req.stop) or req.stop == "":
-        raise BadRequest("stop strings must not be empty", "stop")
-    return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-                          ignore_eos=req.ignore_eos, max_tokens=max_tokens)
-
-
 def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -136,6 +93,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
 
     app = FastAPI(title="nanoengine", lifespan=lifespan)
     max_model_len = engine.engine.config.max_model_len
+    metrics = ServerMetrics(model_name)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -143,7 +101,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
         if err["type"] == "json_invalid":
             return error_response(f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
         loc = [str(x) for x in err["loc"] if x != "body"]
-        return error_response(f"{'.'.join(loc) or 'body'}: {err['msg']}", loc[0] if loc else None)
+        message = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]  # no "Value error, "
+        return error_response(f"{'.'.join(loc) or 'body'}: {message}", loc[0] if loc else None)
 
     @app.exception_handler(EngineError)  # a failed step (500), or the engine thread gone (503)
     async def on_engine_error(request: Request, exc: EngineError) -> JSONResponse:
@@ -153,7 +112,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     async def on_value_error(request: Request, exc: ValueError) -> JSONResponse:
         return error_response(str(exc), getattr(exc, "param", None))
 
-    async def generate(request: Request, req: _Request, prompt_ids: list[int], max_tokens: int, chat: bool):
+    async def generate(request: Request, req: OpenAIRequest, prompt_ids: list[int], max_tokens: int, chat: bool,
+                       clock: RequestClock):
         params = sampling_params(req, max_tokens)
         stream = await engine.add_request(prompt_ids, params)
         text = Detokenizer(engine.tokenizer, [req.stop] if isinstance(req.stop, str) else req.stop or [])
@@ -166,7 +126,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
 
         async def whole() -> dict:
             try:
-                async for finish_reason, _ in deltas(stream, text):
+                async for finish_reason, _ in deltas(stream, text, clock):
                     pass
             finally:
                 stream.abort()
@@ -192,7 +152,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             if chat:
                 yield chunk("", None, role=True)
             try:
-                async for finish_reason, delta in deltas(stream, text):
+                async for finish_reason, delta in deltas(stream, text, clock):
                     if delta or finish_reason:
                         yield chunk(delta, finish_reason)
             except EngineError as e:  # the status line has gone out: the error can only be an event
@@ -204,9 +164,11 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
 
         return EventStream(events(), stream)
 
-    async def deltas(stream: RequestStream, text: Detokenizer) -> AsyncIterator[tuple[str | None, str]]:
+    async def deltas(stream: RequestStream, text: Detokenizer, clock: RequestClock
+                     ) -> AsyncIterator[tuple[str | None, str]]:
         """(finish_reason, new text) for each engine output; a stop string ends the request early."""
         async for output in stream:
+            clock.output()
             delta = text.add(output.token_ids, output.finish_reason is not None)
             if text.stopped:
                 stream.abort()
@@ -215,27 +177,36 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             if finish_reason:
                 return
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        prompt_ids = engine.tokenize(req.prompt)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
-        return await generate(request, req, prompt_ids, max_tokens, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        if not req.messages:
-            raise BadRequest("messages must not be empty", "messages")
+    # Tokenizing and templating run in a worker thread (``asyncio.to_thread``): on the event loop a
+    # long prompt would hold up every stream's next token. The fast tokenizer encodes through the
+    # Rust library's batch call, which releases the GIL; a template (Python) shares it at the
+    # interpreter's switch interval.
+    def chat_prompt_ids(messages: list[ChatMessage]) -> list[int]:
         try:
-            prompt = engine.tokenizer.apply_chat_template([m.model_dump() for m in req.messages], tokenize=False,
-                                                          add_generation_prompt=True)
+            prompt = engine.tokenizer.apply_chat_template([{"role": m.role, "content": m.text} for m in messages],
+                                                          tokenize=False, add_generation_prompt=True)
         except TemplateError as e:  # templates may reject a conversation, e.g. roles out of order
             raise BadRequest(f"the chat template rejected the messages: {e}", "messages")
         # The template already holds the special tokens (BOS and the like): add none again.
-        prompt_ids = engine.tokenize(engine.tokenizer.encode(prompt, add_special_tokens=False))
+        return engine.tokenize(engine.tokenizer.encode(prompt, add_special_tokens=False))
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        clock = metrics.clock()
+        prompt_ids = await asyncio.to_thread(engine.tokenize, req.prompt)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
+        return await generate(request, req, prompt_ids, max_tokens, chat=False, clock=clock)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        clock = metrics.clock()
+        if not req.messages:
+            raise BadRequest("messages must not be empty", "messages")
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, req.messages)
         # Unset means "until the context is full", as OpenAI's chat API does.
         max_tokens = next((m for m in (req.max_tokens, req.max_completion_tokens) if m is not None),
                           max(1, max_model_len - len(prompt_ids)))
-        return await generate(request, req, prompt_ids, max_tokens, chat=True)
+        return await generate(request, req, prompt_ids, max_tokens, chat=True, clock=clock)
 
     @app.get("/v1/models")
     async def models():
@@ -252,28 +223,56 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     async def stats():
         return await engine.stats()
 
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(await engine.stats()), media_type=metrics.content_type)
+
     return app
 
 
-def main() -> None:
+# The engine's options, one line each: a flag's name is the ``LLM(...)`` keyword's (config.py) with
+# dashes, and an option left unset keeps the engine's own default.
+ENGINE_OPTIONS = {
+    "--max-model-len": dict(type=int),
+    "--max-num-seqs": dict(type=int),
+    "--max-num-batched-tokens": dict(type=int, help="tokens one step may compute"),
+    "--num-kvcache-blocks": dict(type=int, help="a fixed number of KV blocks instead of sizing from memory"),
+    "--kvcache-block-size": dict(type=int, help="tokens per KV block (default: 16 on CPU, 256 on CUDA)"),
+    "--gpu-memory-utilization": dict(type=float, help="the fraction of GPU memory to use, KV cache included"),
+    "--dtype": dict(choices=["auto", "float32", "float16", "bfloat16"]),
+    "--device": dict(choices=["auto", "cpu", "cuda"]),
+    "--quantization": dict(choices=["int8", "int4"], help="weight-only quantization (default: none)"),
+    "--enforce-eager": dict(action="store_true", default=None, help="no CUDA graphs: decode runs eagerly"),
+    "--enable-prefix-caching": dict(action=argparse.BooleanOptionalAction, help="on unless --no-enable-prefix-caching"),
+}
+
+
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="An OpenAI-compatible server for nanoengine")
     parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)")
+    parser.add_argument("--served-model-name", help="the model's name in the API (default: --model as given)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--max-num-seqs", type=int)
-    parser.add_argument("--num-kvcache-blocks", type=int)
-    parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization (default: none)")
+    group = parser.add_argument_group("engine options")
+    for flag, kwargs in ENGINE_OPTIONS.items():
+        group.add_argument(flag, **kwargs)
+    return parser
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine options the command line set, as ``LLM(...)`` keywords."""
+    names = (flag.removeprefix("--").replace("-", "_") for flag in ENGINE_OPTIONS)
+    return {name: value for name in names if (value := getattr(args, name)) is not None}
+
+
+def main() -> None:
+    parser = make_parser()
     args = parser.parse_args()
-    options = {k: v for k in ("max_model_len", "max_num_seqs", "num_kvcache_blocks", "dtype", "device", "quantization")
-               if (v := getattr(args, k)) is not None}
     try:
-        engine = LLMEngine(args.model, **options)
+        engine = LLMEngine(args.model, **engine_options(args))
     except ValueError as e:
         parser.error(str(e))
-    model_name = args.model or DEFAULT_MODEL_FILE.removesuffix(".gguf")
+    model_name = args.served_model_name or args.model or DEFAULT_MODEL_FILE.removesuffix(".gguf")
     uvicorn.run(create_app(AsyncLLMEngine(engine), model_name), host=args.host, port=args.port,
                 log_level="warning")
 

@@ -21,6 +21,7 @@ HTTP API from a client process, where bench.py calls ``LLM.generate`` in-process
 import argparse
 import asyncio
 import json
+import os
 import random
 import socket
 import subprocess
@@ -28,7 +29,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import IO, Iterator
 
 import httpx
 
@@ -133,14 +134,16 @@ def free_port() -> int:
 
 
 @contextmanager
-def nanoengine_server(model: str | None, max_model_len: int, server_args: list[str]) -> Iterator[str]:
-    """Start ``python -m nanoengine.serve`` on a free port; yields its URL once it is healthy."""
+def nanoengine_server(server_args: list[str], output: IO | None = None) -> Iterator[str]:
+    """Start ``python -m nanoengine.serve`` on a free port; yields its URL once it is healthy.
+
+    The server's output goes to ``output`` (default: this process's). tests/test_serve.py starts
+    its server here too.
+    """
     port = free_port()
-    # bench.py's max_model_len, which sizes the CPU's KV cache; argparse keeps the last of a repeated
-    # option, so a --max-model-len among server_args wins.
-    cmd = [sys.executable, "-m", "nanoengine.serve", "--port", str(port), "--max-model-len", str(max_model_len),
-           *(["--model", model] if model else []), *server_args]
-    server = subprocess.Popen(cmd)
+    cmd = [sys.executable, "-m", "nanoengine.serve", "--port", str(port), *server_args]
+    # Run from beside this file, so that the nanoengine here is the one served.
+    server = subprocess.Popen(cmd, stdout=output, stderr=output, cwd=os.path.dirname(os.path.abspath(__file__)))
     url = f"http://127.0.0.1:{port}"
     try:
         while True:
@@ -159,6 +162,7 @@ def nanoengine_server(model: str | None, max_model_len: int, server_args: list[s
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+            server.wait()
 
 
 def vocab_size(model: str | None) -> int:
@@ -185,7 +189,11 @@ def main():
     if args.base_url:
         results, duration = asyncio.run(run(args.base_url, prompts, output_lens, args.request_rate, args.seed))
     else:
-        with nanoengine_server(args.model, args.max_input_len + args.max_output_len, server_args) as url:
+        # bench.py's max_model_len, which sizes the CPU's KV cache; argparse keeps the last of a
+        # repeated option, so a --max-model-len among server_args wins.
+        model = ["--model", args.model] if args.model else []
+        max_model_len = ["--max-model-len", str(args.max_input_len + args.max_output_len)]
+        with nanoengine_server([*model, *max_model_len, *server_args]) as url:
             results, duration = asyncio.run(run(url, prompts, output_lens, args.request_rate, args.seed))
     s = summarize(results, duration)
     s.update(request_rate=str(args.request_rate), num_prompts=len(prompts), base_url=args.base_url)

@@ -38,8 +38,8 @@ from nanoengine.detokenizer import Detokenizer
 from nanoengine.engine import LLMEngine
 from nanoengine.loader import DEFAULT_MODEL_FILE
 from nanoengine.metrics import RequestClock, ServerMetrics
-from nanoengine.openai_protocol import (BadRequest, ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAIRequest,
-                                        error_body, sampling_params)
+from nanoengine.openai_protocol import (BadRequest, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                        OpenAIRequest, error_body, sampling_params)
 
 
 class EventStream(StreamingResponse):

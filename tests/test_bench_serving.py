@@ -62,7 +62,7 @@ def test_bench_serving_starts_the_server_and_sends_everything_at_once(tiny_model
 
 
 def test_bench_serving_measures_a_running_server_at_a_poisson_rate(tiny_models, tokenizer, tmp_path):
-    with nanoengine_server(tiny_models["llama"], 36, SERVER_ARGS) as url:
+    with nanoengine_server(["--model", tiny_models["llama"], *SERVER_ARGS]) as url:
         results, stdout = run_bench(tiny_models, tmp_path, "--base-url", url, "--request-rate", "20")
     check_results(results, stdout, tokenizer)
     assert results["base_url"] == url

@@ -30,41 +30,18 @@ PROMPTS = [f"{start} {topic}" for start in ("Tell me about", "The history of", "
 GREEDY = dict(temperature=0, max_tokens=24)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("serve") / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "nanoengine.serve", "--model", tiny_models["llama"],
-                             "--port", str(port), "--dtype", "float32", "--device", "cpu",
-                             "--served-model-name", "tiny-served", "--enforce-eager"],
-                            cwd=REPO_ROOT, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"server did not come up (exit code {proc.poll()}):\n{log.read()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
+    from bench_serving import nanoengine_server
+    args = ["--model", tiny_models["llama"], "--dtype", "float32", "--device", "cpu", "--served-model-name",
+            "tiny-served", "--enforce-eager"]
+    with open(tmp_path_factory.mktemp("serve") / "server.log", "w+") as log:
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            with nanoengine_server(args, output=log) as url:
+                yield url
+        except SystemExit as e:  # it exited before it was healthy
+            log.seek(0)
+            pytest.fail(f"{e}:\n{log.read()}")
 
 
 @pytest.fixture(scope="module")

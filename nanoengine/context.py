@@ -26,3 +26,6 @@ class Context:
     context_lens: torch.Tensor | None = None
     # [num_seqs, max_num_blocks] physical block ids; None in a prefill with no cached prefix.
     block_tables: torch.Tensor | None = None
+    # Prefill: the rows whose logits are sampled, the last token of each sequence whose step reaches
+    # its end (a prompt chunk with more to come samples nothing). Decode: None, every row samples.
+    logits_indices: torch.Tensor | None = None

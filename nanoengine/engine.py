@@ -27,6 +27,7 @@ from nanoengine.model_runner import ModelRunner
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.scheduler import Scheduler
 from nanoengine.sequence import Sequence
+from nanoengine.worker import start_workers
 
 
 @contextmanager
@@ -59,13 +60,20 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(path)
         self.vocab_size = hf_config.vocab_size
         config.resolve_limits(hf_config.max_position_embeddings)
-        self.model_runner = ModelRunner(config, hf_config, path)
+        # Tensor parallelism: the other ranks start first, and load their shards as this one loads its own.
+        self.workers = start_workers(config, hf_config, path) if config.tensor_parallel_size > 1 else None
+        try:
+            self.model_runner = ModelRunner(config, hf_config, path, self.workers and self.workers.group)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown()
+            raise
         config.fit_to_kvcache(self.model_runner.num_kvcache_blocks, self.model_runner.block_size)
         eos_token_ids = load_eos_token_ids(path, hf_config, self.tokenizer)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.model_runner.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, eos_token_ids)
+                                   config.max_model_len, eos_token_ids, config.enable_chunked_prefill)
         self.requests: dict[int, Sequence] = {}
         # Cumulative; "<phase>_tokens" counts the tokens the model computed in that phase.
         self.counters = dict.fromkeys(["prompt_tokens", "generated_tokens", "prefill_steps", "prefill_tokens",
@@ -107,7 +115,8 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
 
     def step(self) -> list[Sequence]:
-        """Advance by one model step; returns the sequences that got a token (none when idle).
+        """Advance by one model step; returns the sequences that got a token (none when idle, or
+        when the step only computed chunks of prompts).
 
         If the step fails, its sequences are aborted (finish_reason "abort") before the error
         propagates: they may have been half computed, and a caller cannot tell which.
@@ -115,11 +124,13 @@ class LLMEngine:
         if self.scheduler.is_finished():
             return []
         with interrupts_deferred():
-            seqs, is_prefill = self.scheduler.schedule()
-        num_tokens = sum(seq.num_tokens - seq.num_cached_tokens for seq in seqs) if is_prefill else len(seqs)
+            seqs = self.scheduler.schedule()
+        # A step that computes any prompt token is a prefill step (with chunked prefill, decodes too).
+        phase = "decode" if all(seq.is_decode for seq in seqs) else "prefill"
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         start = time.perf_counter()
         try:
-            token_ids = self.model_runner.run(seqs, is_prefill)
+            token_ids = self.model_runner.run(seqs)
             with interrupts_deferred():
                 self.scheduler.postprocess(seqs, token_ids)
         except BaseException:
@@ -127,15 +138,14 @@ class LLMEngine:
                 for seq in seqs:
                     self.abort_request(seq.seq_id)
             raise
-        phase = "prefill" if is_prefill else "decode"
         self.counters[f"{phase}_steps"] += 1
         self.counters[f"{phase}_tokens"] += num_tokens
         self.counters[f"{phase}_seconds"] += time.perf_counter() - start
-        self.counters["generated_tokens"] += len(seqs)
+        self.counters["generated_tokens"] += sum(t is not None for t in token_ids)
         for seq in seqs:
             if seq.is_finished:
                 self.requests.pop(seq.seq_id, None)
-        return seqs
+        return [seq for seq, t in zip(seqs, token_ids) if t is not None]
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()

@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import transformers
@@ -145,14 +145,15 @@ def load_eos_token_ids(path: str, hf_config: PretrainedConfig, tokenizer) -> set
     return {i for i in flat if i is not None}
 
 
-def _checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _checkpoint_tensors(path: str) -> Iterator[tuple[str, Any]]:
+    """Each tensor of the checkpoint, unread: indexing it reads only that part (a rank's shard)."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model directory {path!r} has no *.safetensors files")
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 def _checkpoint_layout(model: nn.Module) -> dict[str, tuple[str, str | int | None]]:
@@ -172,7 +173,9 @@ def load_weights(model: nn.Module, path: str) -> None:
 
     Each shard of a fused projection is a tensor of its own: a checkpoint without ``v_proj`` is
     refused, not run with random V. Shapes must match exactly, as ``copy_`` would broadcast a
-    ``[1]`` norm weight across the whole row without complaint.
+    ``[1]`` norm weight across the whole row without complaint. A module that holds only part of a
+    tensor (tensor parallelism: layers.py) says which part (``checkpoint_part``), and only that
+    part is read from disk.
     """
     params = dict(model.named_parameters())
     layout = _checkpoint_layout(model)
@@ -183,13 +186,16 @@ def load_weights(model: nn.Module, path: str) -> None:
         if name not in layout:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
         param_name, shard_id = layout[name]
-        target = params[param_name].data
-        if shard_id is not None:
-            target = model.get_submodule(param_name.rsplit(".", 1)[0]).shard(target, shard_id)
-        if tensor.shape != target.shape:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {list(tensor.shape)}, "
-                             f"the model expects {list(target.shape)}")
-        target.copy_(tensor)
+        module_name, leaf = param_name.rsplit(".", 1)
+        module = model.get_submodule(module_name)
+        if hasattr(module, "checkpoint_part"):
+            shape, part, target = module.checkpoint_part(leaf, shard_id)
+        else:
+            shape, part, target = params[param_name].shape, (slice(None),), params[param_name].data
+        if tensor.get_shape() != list(shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tensor.get_shape()}, "
+                             f"the model expects {list(shape)}")
+        target.copy_(tensor[part])
         missing.discard(name)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks tensors {sorted(missing)[:5]}")

@@ -331,11 +331,11 @@ def test_failed_step_fails_only_its_requests_with_an_error(local_server, tokeniz
     doomed = tokenizer.encode("a prompt whose steps fail")
     run, in_flight_at_faults = engine.model_runner.run, []
 
-    def faulty_run(seqs, is_prefill):
+    def faulty_run(seqs):
         if any(seq.token_ids[:seq.num_prompt_tokens] == doomed for seq in seqs):
             in_flight_at_faults.append(len(engine.requests))
             raise RuntimeError("injected fault")
-        return run(seqs, is_prefill)
+        return run(seqs)
     monkeypatch.setattr(engine.model_runner, "run", faulty_run)
 
     survivor = {"prompt": PROMPTS[0], "temperature": 0, "max_tokens": 48, "ignore_eos": True}

@@ -62,8 +62,8 @@ def hf_throughputs(llm: LLM, prompts, output_lens, dtype: torch.dtype, device: t
     return {bs: sum(output_lens) / seconds(bs) for bs in (8, 32, 64)}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_options(parser: argparse.ArgumentParser) -> None:
+    """The workload's options; bench_serving.py takes them too, to send the same requests over HTTP."""
     parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)")
     parser.add_argument("--num-seqs", type=int, default=64)
     parser.add_argument("--min-input-len", type=int, default=32)
@@ -71,6 +71,22 @@ def main():
     parser.add_argument("--min-output-len", type=int, default=32)
     parser.add_argument("--max-output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preset", choices=["nano-vllm"], help="nano-vllm's workload: 256 seqs, in/out 100..1024")
+
+
+def resolve_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Apply ``--preset`` and check the length ranges."""
+    if args.preset == "nano-vllm":
+        args.num_seqs, args.min_input_len, args.max_input_len = 256, 100, 1024
+        args.min_output_len, args.max_output_len = 100, 1024
+    for lo, hi in (("min_input_len", "max_input_len"), ("min_output_len", "max_output_len")):
+        if not 1 <= getattr(args, lo) <= getattr(args, hi):
+            parser.error(f"--{lo.replace('_', '-')} must be >= 1 and <= --{hi.replace('_', '-')}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_options(parser)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--enforce-eager", action="store_true")
@@ -81,14 +97,8 @@ def main():
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to split the model over")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the same requests")
-    parser.add_argument("--preset", choices=["nano-vllm"], help="nano-vllm's workload: 256 seqs, in/out 100..1024")
     args = parser.parse_args()
-    if args.preset == "nano-vllm":
-        args.num_seqs, args.min_input_len, args.max_input_len = 256, 100, 1024
-        args.min_output_len, args.max_output_len = 100, 1024
-    for lo, hi in (("min_input_len", "max_input_len"), ("min_output_len", "max_output_len")):
-        if not 1 <= getattr(args, lo) <= getattr(args, hi):
-            parser.error(f"--{lo.replace('_', '-')} must be >= 1 and <= --{hi.replace('_', '-')}")
+    resolve_workload(parser, args)
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
               quantization=args.quantization, max_model_len=args.max_input_len + args.max_output_len,

@@ -171,6 +171,9 @@ class LLMEngine:
 
     def stats(self) -> dict:
         return {
+            # Requests, not sequences: a request's n samples count once (running if any of them is).
+            "num_requests_running": len(running := {seq.request_id for seq in self.scheduler.running}),
+            "num_requests_waiting": len({seq.request_id for seq in self.scheduler.waiting} - running),
             "num_kvcache_blocks": len(self.block_manager.blocks),
             "kvcache_blocks_in_use": self.block_manager.num_used_blocks,
             "num_preemptions": self.scheduler.num_preemptions,

@@ -1,15 +1,16 @@
 """An OpenAI-compatible HTTP server: ``python -m nanoengine.serve --model PATH --port 8000``.
 
-FastAPI turns each request into token ids and ``SamplingParams``, hands them to the
-``AsyncLLMEngine`` and turns what comes back (each sample's new tokens, their text and logprobs)
-into OpenAI's JSON: whole, or streamed as server-sent events in OpenAI's chunk format, one choice
-per sample (``n``). Stop strings and stop token ids are the engine's, as offline. However a
-response ends (done, client gone), its request is aborted, so the KV blocks of a client that
-disconnects are freed at once.
+FastAPI turns each request (its schema: openai_protocol.py) into token ids and
+``SamplingParams``, hands them to the ``AsyncLLMEngine`` and turns what comes back (each sample's
+new tokens, their text and logprobs) into OpenAI's JSON: whole, or streamed as server-sent events
+in OpenAI's chunk format, one choice per sample (``n``). Stop strings and stop token ids are the
+engine's, as offline. However a response ends (done, client gone), its request is aborted, so the
+KV blocks of a client that disconnects are freed at once. The event loop only moves bytes and
+text: prompts are tokenized in worker threads, and the model runs on the engine's own thread.
 
 Errors are OpenAI's JSON: 400 for a bad request, 500 when the step running a request failed
 (in a stream: an error event, then ``[DONE]``), 503 from every endpoint, ``/health`` included,
-once the engine thread has stopped.
+once the engine thread has stopped. ``/metrics`` serves Prometheus's text format (metrics.py).
 """
 
 import argparse
@@ -18,60 +19,25 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Awaitable, Literal
+from typing import AsyncIterator, Awaitable
 
-import uvicorn
+try:
+    import fastapi  # noqa: F401
+    import prometheus_client  # noqa: F401
+    import uvicorn
+except ImportError as e:  # the server's dependencies are an extra: say which, rather than a traceback
+    raise SystemExit(f"nanoengine.serve needs {e.name}, which the 'serve' extra installs: "
+                     "pip install -e \".[serve]\"") from None
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 
 from nanoengine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, RequestStream
 from nanoengine.engine import LLMEngine
 from nanoengine.loader import DEFAULT_MODEL_FILE
-from nanoengine.sampling_params import SamplingParams
-
-
-class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class _Request(BaseModel):
-    # Strict: "5" is not an integer. Extras forbidden: an unsupported option (presence_penalty,
-    # logit_bias, ...) fails loudly instead of being silently ignored.
-    model_config = ConfigDict(strict=True, extra="forbid")
-    model: str | None = None  # one model is served; the name is echoed back
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # top_k and ignore_eos extend OpenAI's API, as in vLLM
-    ignore_eos: bool = False
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # an extension, as in vLLM
-    n: int = 1
-    stream: bool = False
-    stream_options: dict[str, bool] | None = None  # {"include_usage": true} adds a usage chunk
-
-
-class CompletionRequest(_Request):
-    prompt: str | list[int]
-    logprobs: int | None = None  # how many top tokens' logprobs to return beside each sampled one
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # the newer name for max_tokens
-    logprobs: bool = False
-    top_logprobs: int | None = None  # with logprobs: how many top tokens' logprobs beside each sampled one
+from nanoengine.metrics import RequestClock, ServerMetrics
+from nanoengine.openai_protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, OpenAIRequest,
+                                        chat_logprobs, completion_logprobs, error_body, sampling_params)
 
 
 class EventStream(StreamingResponse):
@@ -86,10 +52,6 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.stream.abort()
-
-
-def error_body(message: str, error_type: str = "invalid_request_error", param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": None}}
 
 
 def error_response(message: str, param: str | None = None) -> JSONResponse:
@@ -121,32 +83,6 @@ async def unless_disconnected(request: Request, work: Awaitable[dict]) -> dict |
     return Response(status_code=499)  # nginx's "client closed request": nobody is left to read it
 
 
-def sampling_params(req: _Request, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-                          ignore_eos=req.ignore_eos, max_tokens=max_tokens, n=req.n, logprobs=logprobs,
-                          stop=req.stop, stop_token_ids=req.stop_token_ids)
-
-
-def completion_logprobs(tokenizer, logprobs: list[dict[int, float]], offset: int) -> dict:
-    """The completions API's shape: each token's text and logprob, its top alternatives by text,
-    and where each token's text starts (``offset``: the length of the choice's text before them)."""
-    tokens = [tokenizer.decode([next(iter(top))]) for top in logprobs]
-    starts = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
-    return {"tokens": tokens, "token_logprobs": [next(iter(top.values())) for top in logprobs],
-            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in top.items()} for top in logprobs],
-            "text_offset": starts}
-
-
-def chat_logprobs(tokenizer, logprobs: list[dict[int, float]], num_top: int) -> dict:
-    """The chat API's shape: per token its text, bytes, logprob and its ``num_top`` best alternatives."""
-    def entry(token_id: int, logprob: float) -> dict:
-        text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-    return {"content": [{**entry(*next(iter(top.items()))),
-                         "top_logprobs": [entry(*item) for item in sorted(top.items(), key=lambda x: -x[1])[:num_top]]}
-                        for top in logprobs]}
-
-
 def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -155,6 +91,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
 
     app = FastAPI(title="nanoengine", lifespan=lifespan)
     max_model_len = engine.engine.config.max_model_len
+    metrics = ServerMetrics(model_name)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -162,7 +99,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
         if err["type"] == "json_invalid":
             return error_response(f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
         loc = [str(x) for x in err["loc"] if x != "body"]
-        return error_response(f"{'.'.join(loc) or 'body'}: {err['msg']}", loc[0] if loc else None)
+        message = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]  # no "Value error, "
+        return error_response(f"{'.'.join(loc) or 'body'}: {message}", loc[0] if loc else None)
 
     @app.exception_handler(EngineError)  # a failed step (500), or the engine thread gone (503)
     async def on_engine_error(request: Request, exc: EngineError) -> JSONResponse:
@@ -172,8 +110,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     async def on_value_error(request: Request, exc: ValueError) -> JSONResponse:
         return error_response(str(exc), getattr(exc, "param", None))
 
-    async def generate(request: Request, req: _Request, prompt_ids: list[int], max_tokens: int, chat: bool,
-                       logprobs: int | None):
+    async def generate(request: Request, req: OpenAIRequest, prompt_ids: list[int], max_tokens: int, chat: bool,
+                       logprobs: int | None, clock: RequestClock):
         stream = await engine.add_request(prompt_ids, sampling_params(req, max_tokens, logprobs))
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": model_name}
@@ -200,6 +138,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             finish_reasons = [None] * req.n
             try:
                 async for out in stream:
+                    clock.output()
                     texts[out.index].append(out.text)
                     num_tokens[out.index] += len(out.token_ids)
                     finish_reasons[out.index] = out.finish_reason
@@ -225,6 +164,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             text_lengths = [0] * req.n
             try:
                 async for out in stream:
+                    clock.output()
                     if out.text or out.finish_reason or out.logprobs:
                         yield event(choice(out.index, out.text, out.finish_reason, out.logprobs,
                                            text_lengths[out.index]))
@@ -239,24 +179,31 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
 
         return EventStream(events(), stream)
 
+    # Tokenizing and templating run in a worker thread (``asyncio.to_thread``): on the event loop a
+    # long prompt would hold up every stream's next token. The fast tokenizer encodes through the
+    # Rust library, which releases the GIL; a template (Python) shares it at the interpreter's
+    # switch interval.
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        prompt_ids = engine.tokenize(req.prompt)
+        clock = metrics.clock()
+        prompt_ids = await asyncio.to_thread(engine.tokenize, req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
-        return await generate(request, req, prompt_ids, max_tokens, chat=False, logprobs=req.logprobs)
+        return await generate(request, req, prompt_ids, max_tokens, chat=False, logprobs=req.logprobs, clock=clock)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
+        clock = metrics.clock()
         if not req.messages:
             raise BadRequest("messages must not be empty", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-        prompt_ids = engine.chat_prompt([m.model_dump() for m in req.messages])
+        prompt_ids = await asyncio.to_thread(engine.chat_prompt, [{"role": m.role, "content": m.text}
+                                                                  for m in req.messages])
         # Unset means "until the context is full", as OpenAI's chat API does.
         max_tokens = next((m for m in (req.max_tokens, req.max_completion_tokens) if m is not None),
                           max(1, max_model_len - len(prompt_ids)))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return await generate(request, req, prompt_ids, max_tokens, chat=True, logprobs=logprobs)
+        return await generate(request, req, prompt_ids, max_tokens, chat=True, logprobs=logprobs, clock=clock)
 
     @app.get("/v1/models")
     async def models():
@@ -273,30 +220,58 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     async def stats():
         return await engine.stats()
 
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(await engine.stats()), media_type=metrics.content_type)
+
     return app
 
 
-def main() -> None:
+# The engine's options, one line each: a flag's name is the ``LLM(...)`` keyword's (config.py) with
+# dashes, and an option left unset keeps the engine's own default.
+ENGINE_OPTIONS = {
+    "--max-model-len": dict(type=int),
+    "--max-num-seqs": dict(type=int),
+    "--max-num-batched-tokens": dict(type=int, help="tokens one step may compute"),
+    "--num-kvcache-blocks": dict(type=int, help="a fixed number of KV blocks instead of sizing from memory"),
+    "--kvcache-block-size": dict(type=int, help="tokens per KV block (default: 16 on CPU, 256 on CUDA)"),
+    "--gpu-memory-utilization": dict(type=float, help="the fraction of GPU memory to use, KV cache included"),
+    "--dtype": dict(choices=["auto", "float32", "float16", "bfloat16"]),
+    "--device": dict(choices=["auto", "cpu", "cuda"]),
+    "--quantization": dict(choices=["int8", "int4"], help="weight-only quantization (default: none)"),
+    "--enforce-eager": dict(action="store_true", default=None, help="no CUDA graphs: decode runs eagerly"),
+    "--enable-prefix-caching": dict(action=argparse.BooleanOptionalAction, help="on unless --no-enable-prefix-caching"),
+    "--enable-chunked-prefill": dict(action=argparse.BooleanOptionalAction, help="mix decodes and prompt chunks"),
+    "--tensor-parallel-size": dict(type=int, help="ranks to split the model over (default: 1)"),
+}
+
+
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="An OpenAI-compatible server for nanoengine")
     parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)")
+    parser.add_argument("--served-model-name", help="the model's name in the API (default: --model as given)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--max-num-seqs", type=int)
-    parser.add_argument("--num-kvcache-blocks", type=int)
-    parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization (default: none)")
-    parser.add_argument("--tensor-parallel-size", type=int, help="ranks to split the model over (default: 1)")
+    group = parser.add_argument_group("engine options")
+    for flag, kwargs in ENGINE_OPTIONS.items():
+        group.add_argument(flag, **kwargs)
+    return parser
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine options the command line set, as ``LLM(...)`` keywords."""
+    names = (flag.removeprefix("--").replace("-", "_") for flag in ENGINE_OPTIONS)
+    return {name: value for name in names if (value := getattr(args, name)) is not None}
+
+
+def main() -> None:
+    parser = make_parser()
     args = parser.parse_args()
-    options = {k: v for k in ("max_model_len", "max_num_seqs", "num_kvcache_blocks", "dtype", "device", "quantization",
-                              "tensor_parallel_size")
-               if (v := getattr(args, k)) is not None}
     try:
-        engine = LLMEngine(args.model, **options)
+        engine = LLMEngine(args.model, **engine_options(args))
     except ValueError as e:
         parser.error(str(e))
-    model_name = args.model or DEFAULT_MODEL_FILE.removesuffix(".gguf")
+    model_name = args.served_model_name or args.model or DEFAULT_MODEL_FILE.removesuffix(".gguf")
     uvicorn.run(create_app(AsyncLLMEngine(engine), model_name), host=args.host, port=args.port,
                 log_level="warning")
 

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, run for real: a subprocess on 127.0.0.1 serving a tiny model,
 driven by the official openai client (and httpx for raw HTTP). Greedy outputs are checked
-against the offline ``LLM.generate`` on the same weights."""
+against the offline ``LLM.generate`` on the same weights. Also: ``/metrics``, the command line,
+and the server's missing dependencies."""
 
 import asyncio
 import json
@@ -17,6 +18,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+prometheus_parser = pytest.importorskip("prometheus_client.parser")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
@@ -28,40 +30,18 @@ PROMPTS = [f"{start} {topic}" for start in ("Tell me about", "The history of", "
 GREEDY = dict(temperature=0, max_tokens=24)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("serve") / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "nanoengine.serve", "--model", tiny_models["llama"],
-                             "--port", str(port), "--dtype", "float32", "--device", "cpu"],
-                            cwd=REPO_ROOT, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"server did not come up (exit code {proc.poll()}):\n{log.read()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
+    from bench_serving import nanoengine_server
+    args = ["--model", tiny_models["llama"], "--dtype", "float32", "--device", "cpu", "--served-model-name",
+            "tiny-served", "--enforce-eager"]
+    with open(tmp_path_factory.mktemp("serve") / "server.log", "w+") as log:
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            with nanoengine_server(args, output=log) as url:
+                yield url
+        except SystemExit as e:  # it exited before it was healthy
+            log.seek(0)
+            pytest.fail(f"{e}:\n{log.read()}")
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +79,7 @@ def wait_for_idle_stats(server, timeout: float = 10) -> dict:
 def test_health_and_models(server, client):
     assert httpx.get(f"{server}/health", timeout=5).status_code == 200
     models = client.models.list().data
-    assert len(models) == 1 and models[0].id
+    assert [m.id for m in models] == ["tiny-served"]
 
 
 def test_greedy_completion_equals_offline_generate(client, model_name, llm):
@@ -198,8 +178,13 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "n": 0}),
     ("completions", {"prompt": "hi", "logprobs": -1}),
     ("completions", {"prompt": "hi", "stop_token_ids": ["x"]}),
-    ("completions", {"prompt": "hi", "presence_penalty": 0.5}),  # unsupported, so not silently ignored
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),  # no logprobs
+    ("completions", {"prompt": "hi", "presence_penalty": 0.5}),  # unsupported, so not silently ignored
+    ("completions", {"prompt": "hi", "frequency_penalty": -1}),
+    ("completions", {"prompt": "hi", "logit_bias": {"5": 10}}),
+    ("completions", {"prompt": "hi", "echo": True}),
+    ("completions", {"prompt": "hi", "best_of": 2}),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}),
     ("completions", {"prompt": "hello " * 2000}),  # longer than max_model_len
     ("completions", {"prompt": "hello " * 2000, "stream": True}),
 ]
@@ -223,6 +208,87 @@ def test_malformed_json_gets_400_and_openai_client_sees_bad_request(server, clie
         client.completions.create(model=model_name, prompt="hi", n=0)
     assert info.value.status_code == 400 and "n must be an integer >= 1" in info.value.message
     assert client.completions.create(model=model_name, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_openai_fields_that_change_nothing_are_accepted(client, model_name, llm):
+    expected = offline(llm, PROMPTS[4:5], **GREEDY)[0]["text"]
+    response = client.completions.create(model=model_name, prompt=PROMPTS[4], user="someone", presence_penalty=0,
+                                         frequency_penalty=0, logit_bias={}, logprobs=None, n=1, best_of=1,
+                                         echo=False, **GREEDY)
+    assert response.choices[0].text == expected
+    messages = [{"role": "user", "content": "Name a colour."}]
+    expected = offline(llm, [chat_prompt_ids(llm, messages)], **GREEDY)[0]["text"]
+    response = client.chat.completions.create(model=model_name, messages=messages, user="someone", n=1,
+                                              presence_penalty=0.0, frequency_penalty=0.0, logprobs=False, **GREEDY)
+    assert response.choices[0].message.content == expected
+
+
+def test_a_field_that_would_change_the_output_is_refused_by_name(server):
+    response = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "presence_penalty": 1.5}, timeout=10)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "presence_penalty"
+    assert error["message"] == "presence_penalty: only 0.0 is supported: nanoengine has no repetition penalties"
+
+
+def test_chat_content_may_be_a_list_of_text_parts(client, model_name, llm):
+    parts = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]
+    joined = [{"role": "user", "content": "What is the capital\nof France?"}]  # parts joined by newlines, as vLLM
+    expected = offline(llm, [chat_prompt_ids(llm, joined)], **GREEDY)[0]["text"]
+    response = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": parts}],
+                                              **GREEDY)
+    assert response.choices[0].message.content == expected
+
+
+def scrape(server) -> dict[str, float]:
+    """``/metrics`` read by Prometheus's own parser: each sample's value by name, prefix and buckets left out."""
+    response = httpx.get(f"{server}/metrics", timeout=5)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {sample.name.removeprefix("nanoengine:"): sample.value
+            for family in prometheus_parser.text_string_to_metric_families(response.text)
+            for sample in family.samples if "le" not in sample.labels}
+
+
+def test_metrics_parse_and_move_with_requests(server):
+    wait_for_idle_stats(server)
+    before = scrape(server)
+    assert before["num_requests_running"] == before["num_requests_waiting"] == 0
+    prompt = list(range(100, 140))  # 40 tokens: two full KV blocks, which the second request finds cached
+    body = {"prompt": prompt, "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+    for _ in range(2):
+        assert httpx.post(f"{server}/v1/completions", json=body, timeout=30).status_code == 200
+    after = scrape(server)
+    moved = {name: after[name] - before[name] for name in after}
+    assert moved["prompt_tokens_total"] == 80 and moved["generation_tokens_total"] == 10
+    assert moved["time_to_first_token_seconds_count"] == 2 and moved["inter_token_latency_seconds_count"] == 8
+    assert moved["time_to_first_token_seconds_sum"] > 0 and moved["inter_token_latency_seconds_sum"] > 0
+    assert moved["prefix_cache_hits_total"] >= 32 and moved["num_preemptions_total"] == 0
+
+
+def test_every_engine_flag_is_an_llm_keyword_and_unset_ones_keep_the_defaults():
+    from dataclasses import fields
+
+    from nanoengine.config import Config
+    from nanoengine.serve import ENGINE_OPTIONS, engine_options, make_parser
+    keywords = {f.name for f in fields(Config) if f.init}
+    assert {flag.removeprefix("--").replace("-", "_") for flag in ENGINE_OPTIONS} <= keywords
+    parser = make_parser()
+    assert engine_options(parser.parse_args([])) == {}
+    args = parser.parse_args(["--max-num-batched-tokens", "4096", "--kvcache-block-size", "32", "--enforce-eager",
+                              "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching", "--device", "cpu"])
+    config = Config.from_kwargs(None, engine_options(args))
+    assert (config.max_num_batched_tokens, config.kvcache_block_size, config.enforce_eager,
+            config.gpu_memory_utilization, config.enable_prefix_caching, config.device) == (4096, 32, True, 0.5,
+                                                                                              False, "cpu")
+
+
+@pytest.mark.parametrize("module", ["fastapi", "uvicorn", "prometheus_client"])
+def test_missing_server_dependency_is_one_line_naming_the_extra(module):
+    code = (f"import runpy, sys; sys.modules[{module!r}] = None; "  # None: any import of it fails
+            "runpy.run_module('nanoengine.serve', run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (f"nanoengine.serve needs {module}, which the 'serve' extra "
+                                                      'installs: pip install -e ".[serve]"')
 
 
 # -- failures, in a server run inside the test process so that faults can be injected into its engine --
@@ -353,3 +419,63 @@ def test_non_streaming_client_that_disconnects_is_aborted(local_server):
             time.sleep(0.05)
     after = wait_for_idle_stats(url)
     assert 0 < after["generated_tokens"] < engine.config.max_model_len // 2
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_a_prompt_being_tokenized_does_not_hold_up_other_streams(local_server, monkeypatch, endpoint):
+    url, engine = local_server
+    # A completion's prompt is encoded; a chat's conversation is templated (and tokenized) in one call.
+    name = "encode" if endpoint == "completions" else "apply_chat_template"
+    tokenize, entered, release = getattr(engine.tokenizer, name), threading.Event(), threading.Event()
+    tokens_at_entry, released_by_a_stream = [], []
+
+    def slow_tokenize(prompt, *args, **kwargs):
+        if "slow prompt" in str(prompt):  # held until the other stream is seen to move, or 30 s
+            tokens_at_entry.append(engine.counters["generated_tokens"] - before)
+            entered.set()
+            released_by_a_stream.append(release.wait(timeout=30))
+        return tokenize(prompt, *args, **kwargs)
+    monkeypatch.setattr(engine.tokenizer, name, slow_tokenize)
+
+    slow = {"prompt": "a slow prompt"} if endpoint == "completions" else {
+        "messages": [{"role": "user", "content": "a slow prompt"}]}
+    responses = []
+    before = engine.counters["generated_tokens"]
+    with httpx.Client(base_url=url, timeout=60) as http:
+        body = {"prompt": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = sse_data(response)
+            next(lines)
+            waiter = threading.Thread(target=lambda: responses.append(
+                httpx.post(f"{url}/v1/{endpoint}", json={**slow, "max_tokens": 2}, timeout=60)))
+            waiter.start()
+            assert entered.wait(timeout=30)
+            # A chunk carries at least one token, so more chunks than the tokens generated when the
+            # slow prompt's tokenization began means chunks were sent while it was under way.
+            chunks = 1
+            while chunks <= tokens_at_entry[0] + 1:
+                next(lines)
+                chunks += 1
+            release.set()
+            waiter.join(timeout=60)
+    assert released_by_a_stream == [True] and responses[0].status_code == 200
+
+
+def test_metrics_gauges_show_running_and_waiting_requests(local_server, monkeypatch):
+    url, engine = local_server
+    run = engine.model_runner.run
+
+    def slow_run(*args, **kwargs):  # the tiny model would finish before the scrape otherwise
+        time.sleep(0.01)
+        return run(*args, **kwargs)
+    monkeypatch.setattr(engine.model_runner, "run", slow_run)
+    monkeypatch.setattr(engine.scheduler, "max_num_seqs", 1)  # the second request must wait for the first
+    body = {"prompt": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as first:
+            lines = sse_data(first)  # kept: a generator dropped here would close the stream, aborting it
+            next(lines)
+            with http.stream("POST", "/v1/completions", json=body):  # queued once its headers are back
+                during = scrape(url)
+    assert during["num_requests_running"] == 1 and during["num_requests_waiting"] == 1
+    assert 0 < during["kv_cache_usage_perc"] <= 1

@@ -1,0 +1,90 @@
+"""Prometheus metrics for the server's ``GET /metrics``: what an operator graphs and alerts on.
+
+They come from two places. The engine already counts what it does (``LLMEngine.stats()``:
+queue lengths, KV blocks in use, preemptions, prefix-cache hits, tokens); a scrape reads those
+counters on the engine thread, between steps, and exposes them as they are, so nothing is
+counted twice and a step pays nothing for metrics. The latencies a client sees, the time to the
+first token and the gap between tokens, exist only on the serving side: each request's
+``RequestClock`` observes them into histograms as its outputs arrive on the event loop.
+
+The names are vLLM's with the prefix ``nanoengine:`` instead of ``vllm:`` (e.g.
+``nanoengine:num_requests_running``), and every series carries vLLM's ``model_name`` label, so a
+dashboard built for vLLM needs only the prefix changed.
+"""
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+PREFIX = "nanoengine:"
+# Seconds. A CPU serves a first token in tens of milliseconds when idle, in tens of seconds
+# behind a burst of long prompts; a token gap is one step, milliseconds (a GPU) to a second.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+
+
+class ServerMetrics:
+    """One registry per server: the engine's counters at scrape time, and the latency histograms."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time from a request's arrival to its first token.",
+            ["model_name"], buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between two consecutive tokens of one request.",
+            ["model_name"], buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.stats: dict = {}
+        self.registry.register(self)  # as a collector: ``collect`` below, called by ``render``
+
+    def render(self, stats: dict) -> bytes:
+        """Prometheus's text format, with the engine's counters taken from ``stats``."""
+        self.stats = stats
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+
+        def metric(family, name: str, documentation: str, value: float) -> Metric:
+            m = family(PREFIX + name, documentation, labels=["model_name"])
+            m.add_metric([self.model_name], value)
+            return m
+
+        yield metric(GaugeMetricFamily, "num_requests_running", "Requests in the running batch.",
+                     s["num_requests_running"])
+        yield metric(GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be admitted.",
+                     s["num_requests_waiting"])
+        yield metric(GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+                     s["kvcache_blocks_in_use"] / s["num_kvcache_blocks"])
+        yield metric(CounterMetricFamily, "num_preemptions", "Sequences preempted for lack of KV blocks.",
+                     s["num_preemptions"])
+        yield metric(CounterMetricFamily, "prefix_cache_hits", "Prompt tokens whose K/V came from the prefix cache.",
+                     s["prefix_cache_hit_tokens"])
+        yield metric(CounterMetricFamily, "prompt_tokens", "Prompt tokens of the requests added.",
+                     s["prompt_tokens"])
+        yield metric(CounterMetricFamily, "generation_tokens", "Tokens generated.", s["generated_tokens"])
+
+    def clock(self) -> "RequestClock":
+        """Start timing a request that has just arrived."""
+        return RequestClock(self)
+
+
+class RequestClock:
+    """One request's latencies: its first output is its TTFT, each later one an inter-token gap."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.last = time.perf_counter()
+        self.first = True
+
+    def output(self) -> None:
+        """Called as each engine output (one token) reaches the request's handler."""
+        now = time.perf_counter()
+        histogram = self.metrics.time_to_first_token if self.first else self.metrics.inter_token_latency
+        histogram.observe(now - self.last)
+        self.last, self.first = now, False

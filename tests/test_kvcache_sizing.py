@@ -75,3 +75,14 @@ def test_warmup_runs_the_worst_case_step_and_writes_nothing_to_the_cache(tiny_mo
     before = runner.kv_cache.clone()
     runner.warmup(warmup_lengths(200, 4, 64))  # four prompts of 50 tokens
     assert torch.equal(runner.kv_cache, before)
+
+
+def test_building_the_engine_draws_nothing_from_the_global_rng(tiny_models):
+    """Every weight comes from the checkpoint, so none is drawn at random first: a caller's seeded
+    torch RNG gives the same numbers whether an engine was built in between or not."""
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    LLM(tiny_models["llama"], dtype="float32", max_model_len=64)
+    assert torch.equal(torch.rand(4), expected)
+

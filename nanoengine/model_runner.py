@@ -7,6 +7,8 @@ samples one token per sequence.
 
 import contextlib
 import ctypes
+import math
+import mmap
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -123,6 +125,17 @@ def quantize_linears(model: torch.nn.Module, fmt: str) -> None:
             module.quantize(layer_fmt)
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros``, but on CPU in fresh anonymous memory (``mmap``), which the kernel hands out as
+    zero pages, each written only when first touched: the 1 GiB CPU KV cache is ready at once (filling
+    it with zeros took about 1 s) and takes RAM only for the blocks that hold tokens. Memory from the
+    heap could hold a freed tensor's bytes; the mapping is given back when the tensor is freed."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buffer = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # the tensor keeps it alive
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+
+
 def kvcache_block_size(requested: int | None, device: torch.device) -> int:
     """The KV block size: 256 on CUDA (flash-attn's paged KV needs pages of a multiple of 256), 16 on CPU."""
     block_size = requested or (256 if device.type == "cuda" else 16)
@@ -195,8 +208,8 @@ class ModelRunner:
         for K and for V, the layout flash-attn's paged KV cache reads."""
         a = self.attention_layers[0]
         # Zeroed, not empty: attention masks unused slots, and 0 * NaN garbage would still be NaN.
-        self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
-                                    a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = zeros((2, len(self.attention_layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim),
+                              self.dtype, self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 

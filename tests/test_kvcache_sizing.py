@@ -86,3 +86,13 @@ def test_building_the_engine_draws_nothing_from_the_global_rng(tiny_models):
     LLM(tiny_models["llama"], dtype="float32", max_model_len=64)
     assert torch.equal(torch.rand(4), expected)
 
+
+def test_a_cpu_kv_cache_starts_zeroed_where_freed_memory_held_nan(tiny_models):
+    """The cache's memory is fresh from the kernel, not reused from a freed tensor of NaNs of the
+    same size (which the heap would hand straight back, as ``keep_freed_memory_for_reuse`` keeps it)."""
+    kwargs = dict(dtype="float32", max_model_len=64, num_kvcache_blocks=64)
+    runner = LLM(tiny_models["llama"], **kwargs).model_runner
+    shape = runner.kv_cache.shape
+    del runner
+    torch.full(shape, float("nan"))  # allocated and freed at once
+    assert LLM(tiny_models["llama"], **kwargs).model_runner.kv_cache.eq(0).all()

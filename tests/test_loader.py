@@ -168,3 +168,12 @@ def test_concurrent_first_loads_each_get_a_whole_conversion(gguf_file, monkeypat
     assert len(set(directories)) == 1 and len(calls) == 4  # all raced; one rename won
     assert sorted(os.listdir(directories[0])) == ["config.json", "model.safetensors", loader._MANIFEST]
     assert sorted(os.listdir(os.path.dirname(directories[0]))) == [os.path.basename(directories[0])]
+
+
+def test_a_truncated_checkpoint_raises_naming_the_tensor_cut_short(tiny_models, tmp_path):
+    path = tmp_path / "truncated"
+    shutil.copytree(tiny_models["llama"], path)
+    with open(path / CHECKPOINT, "r+b") as f:
+        f.truncate(os.path.getsize(path / CHECKPOINT) - 4)
+    with pytest.raises(ValueError, match=r"checkpoint tensor '.+' is cut short"):
+        LLM(os.fspath(path), dtype="float32", device="cpu")

@@ -24,7 +24,7 @@ import transformers
 import xxhash
 from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers import GenerationConfig, PretrainedConfig
 
 from nanoengine.cpu_library import cache_dir
 
@@ -91,7 +91,7 @@ def checkpoint_directory(path: str) -> str:
 
 def _convert_gguf(path: str, directory: Path) -> None:
     """Save what transformers reads from the GGUF file into ``directory``, as an HF model directory."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     parent, name = os.path.split(os.path.abspath(path))
     hf_config = AutoConfig.from_pretrained(parent, gguf_file=name)
     hf_config.save_pretrained(directory)
@@ -125,11 +125,31 @@ def _file_hash(path: Path, seed: str = "") -> str:
 
 
 def load_hf_config(path: str) -> PretrainedConfig:
+    """The model's config. A GGUF conversion's config.json was written by this very transformers (its
+    version is in the cache key), with every field that differs from the base class's defaults, so
+    the base class reads it back whole. AutoConfig would import the model type's own config class,
+    and with it about 2 s of modules nanoengine never uses (torch._dynamo, torch.distributed.tensor,
+    through transformers' kernel hub)."""
+    if _is_conversion(path):
+        return PretrainedConfig.from_dict(json.loads(Path(path, "config.json").read_text()))
+    from transformers import AutoConfig  # imported where needed: resolving it alone takes 0.35 s
     return AutoConfig.from_pretrained(path)
 
 
 def load_tokenizer(path: str):
+    """The tokenizer. A GGUF conversion's is loaded with the class AutoTokenizer chose when it read
+    the file (saved in tokenizer_config.json): AutoTokenizer would first load the config through
+    the model type's class, for the cost ``load_hf_config`` avoids."""
+    if _is_conversion(path):
+        name = json.loads(Path(path, "tokenizer_config.json").read_text()).get("tokenizer_class", "")
+        if hasattr(transformers, name):
+            return getattr(transformers, name).from_pretrained(path)
+    from transformers import AutoTokenizer  # imported where needed: resolving it alone takes 0.45 s
     return AutoTokenizer.from_pretrained(path)
+
+
+def _is_conversion(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, _MANIFEST))
 
 
 def load_eos_token_ids(path: str, hf_config: PretrainedConfig, tokenizer) -> set[int]:

@@ -137,6 +137,22 @@ def test_a_gguf_file_is_converted_once_then_loaded_from_the_cache(gguf_file, mon
     assert checkpoint_directory(gguf_file) != first and len(calls) == 2
 
 
+def test_a_gguf_file_edited_in_its_middle_is_converted_again(tmp_path, monkeypatch):
+    """The cache key reads only the file's ends, but an edit anywhere moves its mtime."""
+    monkeypatch.setenv("XDG_CACHE_HOME", os.fspath(tmp_path / "cache"))
+    calls = []
+    monkeypatch.setattr(loader, "_convert_gguf", fake_conversion(calls))
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + bytes(3 * loader.FINGERPRINT_BYTES))
+    first = checkpoint_directory(os.fspath(path))
+    mtime = path.stat().st_mtime_ns
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        f.write(b"\x01")
+    os.utime(path, ns=(mtime + 10**9, mtime + 10**9))  # as the clock has moved on by the next write
+    assert checkpoint_directory(os.fspath(path)) != first and len(calls) == 2
+
+
 @pytest.mark.parametrize("damage", [
     lambda d: (d / "model.safetensors").write_bytes(b"weights" * 500),  # truncated
     lambda d: (d / "model.safetensors").write_bytes(b"WEIGHTS" * 1000),  # same size, other bytes

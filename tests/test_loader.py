@@ -47,6 +47,7 @@ def replace(name, make):
      r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \[64, 128\], the model expects \[128, 64\]"),
     (lambda tensors: tensors.__setitem__("model.layers.0.self_attn.extra.weight", torch.zeros(2)),
      r"'model\.layers\.0\.self_attn\.extra\.weight' has no place in the model"),
+    (replace("model.norm.weight", lambda t: t.to(torch.int8)), r"'model\.norm\.weight' has dtype I8"),
 ])
 def test_checkpoint_that_does_not_fit_raises_naming_the_tensor(tiny_models, tmp_path, edit, match):
     path = edited_checkpoint(tiny_models["llama"], os.fspath(tmp_path / "edited"), edit)

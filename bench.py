@@ -74,7 +74,11 @@ def main():
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--enable-chunked-prefill", action="store_true",
+                        help="mix decodes and prompt chunks in one step (vLLM V1's scheduling)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="the step's token budget (default: the engine's)")
     parser.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization (default: none)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to split the model over")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the same requests")
     parser.add_argument("--preset", choices=["nano-vllm"], help="nano-vllm's workload: 256 seqs, in/out 100..1024")
@@ -87,7 +91,9 @@ def main():
             parser.error(f"--{lo.replace('_', '-')} must be >= 1 and <= --{hi.replace('_', '-')}")
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-              quantization=args.quantization, max_model_len=args.max_input_len + args.max_output_len)
+              quantization=args.quantization, max_model_len=args.max_input_len + args.max_output_len,
+              enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
+              tensor_parallel_size=args.tensor_parallel_size)
     prompts, output_lens = make_requests(args, llm.vocab_size)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -100,6 +106,7 @@ def main():
     results = {
         "dtype": str(llm.model_runner.dtype).removeprefix("torch."),
         "quantization": args.quantization,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "threads": torch.get_num_threads(),
         "prefill_tok_per_s": s["prefill_tokens"] / s["prefill_seconds"],
         "decode_tok_per_s": s["decode_tokens"] / s["decode_seconds"],
@@ -115,7 +122,7 @@ def main():
         results.update(ttft_ms=1e3 * s["prefill_seconds"] / s["prefill_steps"],
                        tpot_ms=1e3 * s["decode_seconds"] / max(s["decode_steps"], 1))
     print(f"dtype: {results['dtype']}, quantization: {args.quantization}, threads: {results['threads']}, "
-          f"device: {llm.model_runner.device}")
+          f"device: {llm.model_runner.device}, tensor parallel size: {args.tensor_parallel_size}")
     print(f"Prefill: {results['prefill_tok_per_s']:.2f}tok/s, Decode: {results['decode_tok_per_s']:.2f}tok/s, "
           f"mean decode batch: {results['mean_decode_batch']:.1f}")
     print(f"Preemptions: {results['num_preemptions']}, prefix-cache hit rate: {results['prefix_cache_hit_rate']:.1%}, "

@@ -11,9 +11,8 @@ def main():
         "Write a haiku about the ocean.",
         "Explain in two sentences what a KV cache is.",
     ]
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                 add_generation_prompt=True) for q in questions]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.6, top_p=0.9, max_tokens=128, seed=0))
+    conversations = [[{"role": "user", "content": q}] for q in questions]
+    outputs = llm.chat(conversations, SamplingParams(temperature=0.6, top_p=0.9, max_tokens=128, seed=0))
     for question, output in zip(questions, outputs):
         print(f"\nPrompt: {question!r}\nCompletion: {output['text']!r}")
     print("\nstats:", llm.stats())

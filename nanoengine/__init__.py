@@ -1,6 +1,7 @@
 """nanoengine: a small, readable LLM inference engine in the style of vLLM."""
 
-from nanoengine.engine import LLM, LLMEngine
-from nanoengine.sampling_params import SamplingParams
+from nanoengine.engine import LLMEngine
+from nanoengine.llm import LLM
+from nanoengine.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams"]

@@ -38,15 +38,21 @@ class EngineDeadError(EngineError):
 
 @dataclass
 class RequestOutput:
-    token_ids: list[int]  # the tokens sampled since the last output (one per step)
-    finish_reason: str | None  # None while the request runs; "stop" (EOS) or "length" at its end
+    """What one step gave one sample of a request."""
+
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # the tokens sampled since the sample's last output (one per step)
+    text: str  # the text they made final; a stop string and what follows it never appear
+    logprobs: list[dict[int, float]] | None  # per token, {token_id: logprob}, if the request asked
+    finish_reason: str | None  # None while the sample runs; "stop" (EOS, stop string or id) or "length"
 
 
 class RequestStream:
     """One request's outputs, in order: ``async for output in stream``; ``abort()`` to drop it."""
 
-    def __init__(self, engine: "AsyncLLMEngine", loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine: "AsyncLLMEngine", loop: asyncio.AbstractEventLoop, n: int):
         self.engine, self.loop = engine, loop
+        self.num_unfinished = n  # samples still running: the stream ends when none is
         self.queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self.request_id: int | None = None  # set by the engine thread once the request is queued
         self.finished = False
@@ -61,7 +67,8 @@ class RequestStream:
         if isinstance(output, Exception):
             self.finished = True
             raise output
-        self.finished = output.finish_reason is not None
+        self.num_unfinished -= output.finish_reason is not None
+        self.finished = self.num_unfinished == 0
         return output
 
     def abort(self) -> None:
@@ -81,8 +88,8 @@ def _log_failure(future: Future) -> None:
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        # The tokenizer belongs to the event loop's thread (prompts in, text out); the engine
-        # thread only ever sees token ids.
+        # The event loop's thread tokenizes prompts; the engine thread detokenizes completions
+        # (stop strings are found in the text), each sequence with a detokenizer of its own.
         self.tokenizer = engine.tokenizer
         self._inbox: queue.SimpleQueue[tuple[Callable, Future] | None] = queue.SimpleQueue()
         self._streams: dict[int, RequestStream] = {}  # engine thread only
@@ -98,9 +105,13 @@ class AsyncLLMEngine:
         """The prompt's token ids; a ``ValueError`` if it is empty or too long. Reads the engine only."""
         return self.engine.tokenize(prompt)
 
+    def chat_prompt(self, conversation: list[dict]) -> list[int]:
+        """A conversation's prompt token ids (``LLMEngine.chat_prompt``). Reads the engine only."""
+        return self.engine.chat_prompt(conversation)
+
     async def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> RequestStream:
         """Queue a request; a bad one raises ``ValueError`` here, before any output exists."""
-        stream = RequestStream(self, asyncio.get_running_loop())
+        stream = RequestStream(self, asyncio.get_running_loop(), sampling_params.n)
         try:
             await self._call(lambda: self._add(stream, prompt_token_ids, sampling_params))
         except asyncio.CancelledError:  # the caller left while the request was being queued
@@ -188,9 +199,9 @@ class AsyncLLMEngine:
                     self._deliver(self._streams.pop(request_id), error)
                 continue
             for seq in seqs:
-                stream = self._streams.get(seq.seq_id)
-                if stream is None:
-                    continue
-                if seq.is_finished:
-                    del self._streams[seq.seq_id]
-                self._deliver(stream, RequestOutput([seq.token_ids[-1]], seq.finish_reason))
+                if (stream := self._streams.get(seq.request_id)) is not None:
+                    logprobs = None if seq.logprobs is None else seq.logprobs[-1:]
+                    self._deliver(stream, RequestOutput(seq.sample_index, [seq.token_ids[-1]],
+                                                        seq.detokenizer.last_delta, logprobs, seq.finish_reason))
+            for request_id in {seq.request_id for seq in seqs if all(s.is_finished for s in seq.group)}:
+                self._streams.pop(request_id, None)

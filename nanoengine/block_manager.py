@@ -11,13 +11,21 @@ A block whose count drops to zero returns to the free pool with its hash and con
 later prompt with the same prefix revives it, until the pool hands it out for new content
 (least recently freed first), which is when its hash entry is dropped.
 
-The one rule that keeps the cache honest when a step fails: a full block is registered as soon as
-it is allocated, so that a later sequence of the *same* step can already share it (within each
-layer every token's K/V is stored before anyone attends), but that registration is a promise
-until the step has written the block's K/V (``cache_full_blocks``, after the step). A promised
-block that is freed first, because its step raised or was interrupted and the engine aborted the
-step's sequences, loses its hash. So no later prompt can read K/V that were never written, or
-written for some layers and not others.
+The one rule that keeps the cache honest when a step fails: a block is registered only once a
+step that completes has written its K/V (``cache_full_blocks``, after every step), with one
+exception. The full blocks of an admitted prompt's first step are registered at allocation, so
+that a later sequence of the *same* step can already share them (within each layer every token's
+K/V is stored before anyone attends); that registration is a promise until the step completes. A
+promised block that is freed first, because its step raised or was interrupted and the engine
+aborted the step's sequences, loses its hash. So no later prompt can read K/V that were never
+written, or written for some layers and not others.
+
+Forked sequences (the ``n`` samples of one prompt) share every block of the prompt by reference
+count, the partial last one included. Whoever appends a token to a block that someone else still
+holds first gets a copy of it (copy on write: ``may_append`` returns the copy for the model
+runner to make before the step). Copying one block costs a memory copy; recomputing the prompt's
+partial tail instead would cost each child a prefill of up to ``block_size - 1`` tokens, and the
+prompt would no longer be computed once.
 """
 
 from array import array
@@ -73,7 +81,8 @@ class BlockManager:
         Only full blocks before the sequence's last token are eligible: the last token is always
         computed, because the model needs its hidden state to produce the next token's logits.
         """
-        if not self.enable_prefix_caching:
+        # Prompt logprobs need the logits of every prompt position: nothing is read back.
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         hits, prefix_hash = [], -1
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -93,10 +102,11 @@ class BlockManager:
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # free now, taken back
         return seq.num_blocks - len(hits) + revived <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give a waiting sequence its block table: cached blocks first, fresh ones after.
-
-        Fresh full blocks are registered right away, as promises (see the module docstring).
+    def allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> None:
+        """Give a waiting sequence its block table for all its tokens: cached blocks first, fresh
+        ones after. Its first step computes ``num_new_tokens`` past the cached ones (all of them
+        if None; fewer when chunked prefill splits the prompt); the full blocks that step writes
+        are registered right away, as promises (see the module docstring).
         """
         assert not seq.block_table
         hits = self._cached_prefix(seq)
@@ -106,14 +116,14 @@ class BlockManager:
                 del self.free_block_ids[block_id]
             block.ref_count += 1
         seq.block_table = list(hits)
-        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        first_step_end = seq.num_tokens if num_new_tokens is None else seq.num_cached_tokens + num_new_tokens
         prefix_hash = self.blocks[hits[-1]].hash if hits else -1
         for i in range(len(hits), seq.num_blocks):
             block = self._take_free_block()
             seq.block_table.append(block.block_id)
-            token_ids = seq.block(i)
-            if self.enable_prefix_caching and len(token_ids) == self.block_size:
-                prefix_hash = self._register(block, token_ids, prefix_hash)
+            if self.enable_prefix_caching and (i + 1) * self.block_size <= first_step_end:
+                prefix_hash = self._register(block, seq.block(i), prefix_hash)
                 self.promised_block_ids.add(block.block_id)
 
     def deallocate(self, seq: Sequence) -> None:
@@ -127,34 +137,54 @@ class BlockManager:
                     self._unregister(block)
                 self.free_block_ids[block_id] = None
         seq.block_table = []
-        seq.num_cached_tokens = 0
+        seq.num_cached_tokens = seq.num_computed_tokens = 0
+
+    def fork(self, parent: Sequence, sample_index: int) -> Sequence:
+        """A child of ``parent`` for sample ``sample_index``, sharing every block of its table."""
+        child = parent.fork(sample_index)
+        for block_id in child.block_table:
+            self.blocks[block_id].ref_count += 1
+        return child
 
     # -- decode -------------------------------------------------------------------------------
 
+    def _needs_block(self, seq: Sequence) -> bool:
+        """The newest token starts a new block, or lands in one a forked sibling still holds."""
+        return len(seq.block_table) < seq.num_blocks or self.blocks[seq.block_table[-1]].ref_count > 1
+
     def can_append(self, seq: Sequence) -> bool:
         """Whether the slot for the sequence's newest token can be found or made."""
-        return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks > 0
+        return not self._needs_block(seq) or self.num_free_blocks > 0
 
-    def may_append(self, seq: Sequence) -> None:
-        """Before a decode step: the newest token starts a new block exactly at a boundary."""
+    def may_append(self, seq: Sequence) -> tuple[int, int] | None:
+        """Before a decode step, give the newest token a slot of its own: a new block exactly at a
+        boundary; a copy of a shared last block, returned as ``(source, destination)`` to copy."""
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._take_free_block().block_id)
+        elif self.blocks[seq.block_table[-1]].ref_count > 1:
+            shared, copy = self.blocks[seq.block_table[-1]], self._take_free_block()
+            shared.ref_count -= 1
+            seq.block_table[-1] = copy.block_id
+            return shared.block_id, copy.block_id
+        return None
 
     # -- after a step --------------------------------------------------------------------------
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """After a completed step, before its new token is appended: the K/V of all
-        ``seq.num_tokens`` tokens are in the cache. A prefill's promised blocks are kept; a decode
-        step that wrote a block's last slot registers that block."""
+        """After a completed step: the K/V of the first ``seq.num_computed_tokens`` tokens are in
+        the cache. Promised blocks are kept, and every full block the step wrote that is not
+        registered yet (a decode's block, a later chunk's) is registered now."""
         if not self.enable_prefix_caching:
             return
-        if self.promised_block_ids:  # only after a prefill step
+        if self.promised_block_ids:  # only after an admission step
             self.promised_block_ids.difference_update(seq.block_table)
-        if seq.num_tokens % self.block_size == 0:
-            block = self.blocks[seq.block_table[-1]]
-            if block.hash == -1:
-                prev = self.blocks[seq.block_table[-2]].hash if len(seq.block_table) > 1 else -1
-                self._register(block, seq.block(len(seq.block_table) - 1), prev)
+        # Blocks are registered in order, so the unregistered full ones are the last few.
+        first = last = seq.num_computed_tokens // self.block_size
+        while first > 0 and self.blocks[seq.block_table[first - 1]].hash == -1:
+            first -= 1
+        for i in range(first, last):
+            prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
+            self._register(self.blocks[seq.block_table[i]], seq.block(i), prev)
 
     # -- internals ----------------------------------------------------------------------------
 

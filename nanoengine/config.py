@@ -18,11 +18,12 @@ class Config:
     kvcache_block_size: int | None = None  # None: 16 on CPU, 256 on CUDA (flash-attn's page size)
     num_kvcache_blocks: int | None = None  # None: sized from the memory budget
     enforce_eager: bool = False
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # ranks the model is split over (worker.py)
     gpu_memory_utilization: float = 0.9
     device: str = "auto"
     dtype: str = "auto"
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = False  # mix decodes and prompt chunks in one step (scheduler.py)
     quantization: str | None = None  # None, "int8" or "int4": weight-only (quantization.py)
     # Set by resolve_limits: whether max_model_len was left to default (it may then shrink to fit the cache).
     max_model_len_is_default: bool = field(default=False, init=False, repr=False)
@@ -40,10 +41,13 @@ class Config:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size must be 1 (the only value supported), got {self.tensor_parallel_size!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         # Strictly below 1: the rest is the margin for what no measurement sees (allocator rounding
         # and fragmentation, a library's lazily allocated workspace).
         if not 0 < self.gpu_memory_utilization < 1:
@@ -91,8 +95,8 @@ class Config:
     def fit_to_kvcache(self, num_kvcache_blocks: int, block_size: int) -> None:
         """Make sure every admissible sequence can be served by the cache and the token budget.
 
-        A sequence of ``max_model_len`` tokens must fit in the whole KV cache and in one prefill
-        step's token budget, or it would wait forever.
+        A sequence of ``max_model_len`` tokens must fit in the whole KV cache and, unless chunked
+        prefill splits it over several steps, in one step's token budget, or it would wait forever.
         """
         capacity = num_kvcache_blocks * block_size
         if self.max_model_len > capacity:
@@ -103,6 +107,7 @@ class Config:
             self.max_model_len = capacity
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_model_len)
-        elif self.max_num_batched_tokens < self.max_model_len:
+        elif self.max_num_batched_tokens < self.max_model_len and not self.enable_chunked_prefill:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
-                             f"max_model_len={self.max_model_len}: a long prompt could never be scheduled")
+                             f"max_model_len={self.max_model_len}: a long prompt could never be scheduled "
+                             "(unless enable_chunked_prefill=True splits it)")

@@ -26,3 +26,10 @@ class Context:
     context_lens: torch.Tensor | None = None
     # [num_seqs, max_num_blocks] physical block ids; None in a prefill with no cached prefix.
     block_tables: torch.Tensor | None = None
+    # Prefill: the rows whose logits are needed: the last token of each sequence whose step reaches
+    # its end (a prompt chunk with more to come samples nothing), and the positions that score prompt
+    # logprobs where asked. Decode: None, every row samples.
+    logits_indices: torch.Tensor | None = None
+    # [num_copies, 2] (source, destination) blocks to copy before the forward: copy on write for
+    # forked samples that share a partly filled block (block_manager.py). None when there are none.
+    blocks_to_copy: torch.Tensor | None = None

@@ -1,9 +1,10 @@
 """Incremental detokenization: a completion's token ids become text as they arrive.
 
-The server (``serve.py``) feeds each engine output's new tokens to a ``Detokenizer`` and streams
-what comes back. Re-decoding the whole completion for every token would cost time that grows
-with the completion (quadratic in all); here each token costs the same however long the text
-already is. Stop strings are found here too, in the text, and end the request early.
+Every sequence carries one (the engine makes it): ``Scheduler.postprocess`` feeds it each new
+token, and a stop string found in the text finishes the sequence, the same way offline and in
+the server, which streams each step's ``last_delta``. Re-decoding the whole completion for every
+token would cost time that grows with the completion (quadratic in all); here each token costs
+the same however long the text already is.
 """
 
 from tokenizers.decoders import DecodeStream
@@ -40,6 +41,16 @@ class Detokenizer:
     @property
     def text(self) -> str:
         return "".join(self.sent) + self.held
+
+    @property
+    def last_delta(self) -> str:
+        """What the latest ``add`` returned: the text that step's tokens made final."""
+        return self.sent[-1] if self.sent else ""
+
+    def fork(self) -> "Detokenizer":
+        """A detokenizer for a sequence forked from this one before its first token."""
+        assert not self.token_ids
+        return Detokenizer(self.tokenizer, self.stop)
 
     def add(self, token_ids: list[int], finished: bool) -> str:
         self.token_ids += token_ids

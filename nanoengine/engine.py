@@ -2,7 +2,8 @@
 
 ``LLMEngine`` takes requests (``add_request``), advances all of them by one step at a time
 (``step``: schedule -> run the model -> postprocess), and lets a caller drop a request
-(``abort_request``). ``LLM.generate`` is the offline batch API built on those three calls.
+(``abort_request``). A request is a sequence group: its first sequence's ``group`` lists the
+``n`` samples once they are forked. ``LLM`` (llm.py) is the offline API built on those three calls.
 
 A step that raises or is interrupted (an exception in the model, Ctrl-C in a notebook) ends the
 sequences it was running, frees their blocks and re-raises; every other request, and the prefix
@@ -17,16 +18,18 @@ import threading
 import time
 from contextlib import contextmanager
 
-from tqdm.auto import tqdm
+from jinja2 import TemplateError
 
 from nanoengine.block_manager import BlockManager
 from nanoengine.config import Config
+from nanoengine.detokenizer import Detokenizer
 from nanoengine.loader import (checkpoint_directory, load_eos_token_ids, load_hf_config, load_tokenizer,
                                resolve_model_path)
 from nanoengine.model_runner import ModelRunner
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.scheduler import Scheduler
 from nanoengine.sequence import Sequence
+from nanoengine.worker import start_workers
 
 
 @contextmanager
@@ -59,14 +62,21 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(path)
         self.vocab_size = hf_config.vocab_size
         config.resolve_limits(hf_config.max_position_embeddings)
-        self.model_runner = ModelRunner(config, hf_config, path)
+        # Tensor parallelism: the other ranks start first, and load their shards as this one loads its own.
+        self.workers = start_workers(config, hf_config, path) if config.tensor_parallel_size > 1 else None
+        try:
+            self.model_runner = ModelRunner(config, hf_config, path, self.workers and self.workers.group)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown()
+            raise
         config.fit_to_kvcache(self.model_runner.num_kvcache_blocks, self.model_runner.block_size)
         eos_token_ids = load_eos_token_ids(path, hf_config, self.tokenizer)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.model_runner.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, eos_token_ids)
-        self.requests: dict[int, Sequence] = {}
+                                   config.max_model_len, eos_token_ids, config.enable_chunked_prefill)
+        self.requests: dict[int, Sequence] = {}  # request id -> its first sequence
         # Cumulative; "<phase>_tokens" counts the tokens the model computed in that phase.
         self.counters = dict.fromkeys(["prompt_tokens", "generated_tokens", "prefill_steps", "prefill_tokens",
                                        "prefill_seconds", "decode_steps", "decode_tokens", "decode_seconds"], 0)
@@ -90,52 +100,71 @@ class LLMEngine:
                              f"{self.config.max_model_len}")
         return token_ids
 
+    def chat_prompt(self, conversation: list[dict]) -> list[int]:
+        """A conversation's prompt token ids: the tokenizer's chat template with the generation prompt.
+
+        Tokenized by the template itself, which writes BOS and the like: rendering it to text and
+        encoding that with special tokens would put a second BOS in front.
+        """
+        if not isinstance(conversation, list) or not conversation or not all(isinstance(m, dict) for m in conversation):
+            raise ValueError("a conversation must be a non-empty list of {'role', 'content'} dicts")
+        try:
+            token_ids = self.tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True,
+                                                           return_dict=False)
+        except TemplateError as e:  # templates may reject a conversation, e.g. roles out of order
+            raise ValueError(f"the chat template rejected the messages: {e}") from e
+        return self.tokenize(list(token_ids))
+
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Queue a request; returns its id. The prompt is checked before anything is queued."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         seq = Sequence(self.tokenize(prompt), sampling_params, self.model_runner.block_size)
+        seq.detokenizer = Detokenizer(self.tokenizer, sampling_params.stop)
         self.scheduler.add(seq)
         self.requests[seq.seq_id] = seq
         self.counters["prompt_tokens"] += seq.num_prompt_tokens
         return seq.seq_id
 
     def abort_request(self, request_id: int) -> None:
-        """Drop a request now; its KV blocks return to the pool at once."""
+        """Drop a request, every sample of it, now; its KV blocks return to the pool at once."""
         seq = self.requests.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
+        for sample in seq.group if seq is not None else []:
+            if not sample.is_finished:
+                self.scheduler.finish(sample, "abort")
 
     def step(self) -> list[Sequence]:
-        """Advance by one model step; returns the sequences that got a token (none when idle).
+        """Advance by one model step; returns the sequences that got a token (none when idle, or
+        when the step only computed chunks of prompts).
 
-        If the step fails, its sequences are aborted (finish_reason "abort") before the error
+        If the step fails, its requests are aborted (finish_reason "abort") before the error
         propagates: they may have been half computed, and a caller cannot tell which.
         """
         if self.scheduler.is_finished():
             return []
         with interrupts_deferred():
-            seqs, is_prefill = self.scheduler.schedule()
-        num_tokens = sum(seq.num_tokens - seq.num_cached_tokens for seq in seqs) if is_prefill else len(seqs)
+            seqs = self.scheduler.schedule()
+        # A step that computes any prompt token is a prefill step (with chunked prefill, decodes too).
+        phase = "decode" if all(seq.is_decode for seq in seqs) else "prefill"
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         start = time.perf_counter()
         try:
-            token_ids = self.model_runner.run(seqs, is_prefill)
+            out = self.model_runner.run(seqs, self.scheduler.blocks_to_copy)
             with interrupts_deferred():
-                self.scheduler.postprocess(seqs, token_ids)
+                stepped = self.scheduler.postprocess(seqs, out.token_ids, out.logprobs, out.prompt_logprobs)
         except BaseException:
             with interrupts_deferred():
                 for seq in seqs:
-                    self.abort_request(seq.seq_id)
+                    self.abort_request(seq.request_id)
             raise
-        phase = "prefill" if is_prefill else "decode"
         self.counters[f"{phase}_steps"] += 1
         self.counters[f"{phase}_tokens"] += num_tokens
         self.counters[f"{phase}_seconds"] += time.perf_counter() - start
-        self.counters["generated_tokens"] += len(seqs)
-        for seq in seqs:
-            if seq.is_finished:
-                self.requests.pop(seq.seq_id, None)
-        return seqs
+        self.counters["generated_tokens"] += len(stepped)
+        for seq in stepped:
+            if all(sample.is_finished for sample in seq.group):
+                self.requests.pop(seq.request_id, None)
+        return stepped
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()
@@ -148,37 +177,3 @@ class LLMEngine:
             "prefix_cache_hit_tokens": self.scheduler.prefix_cache_hit_tokens,
             **self.counters,
         }
-
-
-class LLM(LLMEngine):
-    def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
-                 use_tqdm: bool = True) -> list[dict]:
-        """Complete every prompt; results come back in the order of the prompts."""
-        if not isinstance(prompts, list) or not prompts:
-            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
-        if not isinstance(sampling_params, list):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
-        for params in sampling_params:
-            if not isinstance(params, SamplingParams):
-                raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        token_ids = [self.tokenize(p) for p in prompts]  # every prompt checked before any is queued
-        seq_ids = [self.add_request(t, p) for t, p in zip(token_ids, sampling_params)]
-        seqs = [self.requests[i] for i in seq_ids]
-        bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        try:
-            while any(not seq.is_finished for seq in seqs):
-                stepped = self.step()
-                c = self.counters
-                bar.set_postfix_str(f"prefill {c['prefill_tokens'] / max(c['prefill_seconds'], 1e-9):.0f} tok/s, "
-                                    f"decode {c['decode_tokens'] / max(c['decode_seconds'], 1e-9):.0f} tok/s",
-                                    refresh=False)
-                bar.update(sum(s.is_finished for s in stepped))
-        finally:
-            bar.close()
-            with interrupts_deferred():
-                for seq_id in seq_ids:  # an interrupted generate leaves nothing queued behind
-                    self.abort_request(seq_id)
-        return [{"text": self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True),
-                 "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason} for seq in seqs]

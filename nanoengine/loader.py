@@ -183,21 +183,30 @@ class CheckpointTensor:
     dtype: torch.dtype
     shape: torch.Size
 
-    def read_into(self, target: torch.Tensor) -> None:
-        """Fill ``target`` (of this shape): one read straight into it when it is contiguous CPU memory
-        of this dtype, else through a buffer that ``copy_`` casts or moves to target's device."""
-        direct = target.device.type == "cpu" and target.dtype == self.dtype and target.is_contiguous()
-        buffer = target if direct else torch.empty(self.shape, dtype=self.dtype)
+    def read_into(self, target: torch.Tensor, part: tuple[slice, ...]) -> None:
+        """Fill ``target`` with ``part`` of the tensor: all of it, or a rank's rows or columns.
+
+        Only the rows the part spans are read, in one read: straight into ``target`` when the part
+        is whole rows and target is contiguous CPU memory of their dtype and shape, else into a
+        buffer whose part ``copy_`` casts, or moves to target's device.
+        """
+        rows = range(self.shape[0])[part[0]]
+        assert rows.step == 1, "a checkpoint part is a run of rows"
+        shape = (len(rows), *self.shape[1:])
+        whole_rows = all(range(n)[s] == range(n) for n, s in zip(self.shape[1:], part[1:]))
+        direct = (whole_rows and target.device.type == "cpu" and target.dtype == self.dtype
+                  and target.shape == shape and target.is_contiguous())
+        buffer = target if direct else torch.empty(shape, dtype=self.dtype)
         view = buffer.view(-1).view(torch.uint8).numpy()
-        self.file.seek(self.offset)
+        self.file.seek(self.offset + rows.start * self.shape[1:].numel() * self.dtype.itemsize)
         if self.file.readinto(view) != view.nbytes:
             raise ValueError(f"checkpoint tensor {self.name!r} is cut short: {self.file.name} is truncated")
         if not direct:
-            target.copy_(buffer)
+            target.copy_(buffer[(slice(None), *part[1:])])
 
 
 def _checkpoint_tensors(path: str) -> Iterator[CheckpointTensor]:
-    """Every tensor in the directory's .safetensors files, for the caller to read into place.
+    """Every tensor in the directory's .safetensors files, unread: the caller reads each into place.
 
     A .safetensors file is an 8-byte little-endian length, a JSON header giving each tensor's dtype,
     shape and byte range, then the bytes. Read this way, one tensor at a time straight into its
@@ -241,7 +250,9 @@ def load_weights(model: nn.Module, path: str) -> None:
 
     Each shard of a fused projection is a tensor of its own: a checkpoint without ``v_proj`` is
     refused, not run with random V. Shapes must match exactly, as ``copy_`` would broadcast a
-    ``[1]`` norm weight across the whole row without complaint.
+    ``[1]`` norm weight across the whole row without complaint. A module that holds only part of a
+    tensor (tensor parallelism: layers.py) says which part (``checkpoint_part``), and only the rows
+    that part spans are read from disk (for a rank's columns, every row).
     """
     params = dict(model.named_parameters())
     layout = _checkpoint_layout(model)
@@ -253,13 +264,16 @@ def load_weights(model: nn.Module, path: str) -> None:
         if name not in layout:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
         param_name, shard_id = layout[name]
-        target = params[param_name].data
-        if shard_id is not None:
-            target = model.get_submodule(param_name.rsplit(".", 1)[0]).shard(target, shard_id)
-        if tensor.shape != target.shape:
+        module_name, leaf = param_name.rsplit(".", 1)
+        module = model.get_submodule(module_name)
+        if hasattr(module, "checkpoint_part"):
+            shape, part, target = module.checkpoint_part(leaf, shard_id)
+        else:
+            shape, part, target = params[param_name].shape, (slice(None),), params[param_name].data
+        if list(tensor.shape) != list(shape):
             raise ValueError(f"checkpoint tensor {name!r} has shape {list(tensor.shape)}, "
-                             f"the model expects {list(target.shape)}")
-        tensor.read_into(target)
+                             f"the model expects {list(shape)}")
+        tensor.read_into(target, part)
         missing.discard(name)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks tensors {sorted(missing)[:5]}")

@@ -4,6 +4,11 @@ The three differ in two details: Qwen2 adds a bias to the q/k/v projections, and
 normalises each query and key head (RMSNorm over head_dim) before the rotary embedding.
 Tokens of all sequences in a step are packed into one flat batch, ``[num_tokens, hidden]``:
 there is no padding anywhere in the model; the ``Context`` tells attention where sequences start.
+
+With tensor parallelism (``tp``, see layers.py for the splits) a rank holds ``1/size`` of the
+attention heads, of the MLP's intermediate features and of the vocabulary. When there are fewer
+kv heads than ranks, each kv head is held by ``size / num_kv_heads`` ranks (as in vLLM): a rank
+keeps the one kv head its query heads read.
 """
 
 import torch
@@ -12,7 +17,9 @@ from transformers import PretrainedConfig
 
 from nanoengine.attention import Attention
 from nanoengine.context import Context
-from nanoengine.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
+from nanoengine.layers import (PackedLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul,
+                               VocabParallelEmbedding)
+from nanoengine.parallel import Shard, TensorParallelGroup
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -36,20 +43,38 @@ def head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def check_tensor_parallel_size(config: PretrainedConfig, size: int) -> None:
+    """A ``ValueError`` unless the model splits evenly over ``size`` ranks (asked before any rank starts)."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % size or (kv_heads % size if kv_heads >= size else size % kv_heads):
+        raise ValueError(f"tensor_parallel_size={size} does not split the model's {heads} attention heads "
+                         f"({kv_heads} kv heads) evenly: it must divide the attention heads, and divide or be "
+                         "a multiple of the kv heads")
+    if config.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's intermediate_size "
+                         f"{config.intermediate_size}")
+
+
+def kv_head_shard(config: PretrainedConfig, tp: TensorParallelGroup | None) -> Shard:
+    """The kv heads this rank holds, in rows of k_proj (or v_proj): its share of them, or, with fewer
+    kv heads than ranks, the one kv head that its query heads read."""
+    total = config.num_key_value_heads
+    size, rank = (1, 0) if tp is None else (tp.size, tp.rank)
+    d = head_dim(config)
+    return Shard(total * d, rank * total // size * d, max(1, total // size) * d)
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, tp: TensorParallelGroup | None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim(config)
+        q_shard = Shard.split(config.num_attention_heads * self.head_dim, tp)
+        kv_shard = kv_head_shard(config, tp)
+        self.num_heads, self.num_kv_heads = q_shard.size // self.head_dim, kv_shard.size // self.head_dim
         qkv_bias = getattr(config, "attention_bias", config.model_type == "qwen2")
-        self.qkv_proj = PackedLinear(config.hidden_size, {
-            "q": self.num_heads * self.head_dim,
-            "k": self.num_kv_heads * self.head_dim,
-            "v": self.num_kv_heads * self.head_dim,
-        }, bias=qkv_bias)
+        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_shard, "k": kv_shard, "v": kv_shard}, bias=qkv_bias)
         o_bias = getattr(config, "attention_bias", False) and config.model_type != "qwen2"
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(q_shard, config.hidden_size, bias=o_bias, tp=tp)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -71,24 +96,24 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallelGroup | None):
         super().__init__()
-        self.gate_up_proj = PackedLinear(config.hidden_size, {0: config.intermediate_size,
-                                                              1: config.intermediate_size}, bias=False)
+        shard = Shard.split(config.intermediate_size, tp)
+        self.gate_up_proj = PackedLinear(config.hidden_size, {0: shard, 1: shard}, bias=False)
         self.act = SiluAndMul()
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(shard, config.hidden_size, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, tp: TensorParallelGroup | None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, rotary_emb)
+        self.self_attn = DecoderAttention(config, rotary_emb, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DecoderMLP(config)
+        self.mlp = DecoderMLP(config, tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,12 +128,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_position: int):
+    def __init__(self, config: PretrainedConfig, max_position: int, tp: TensorParallelGroup | None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(Shard.split(config.vocab_size, tp), config.hidden_size, tp)
         # One table of rotary angles, shared by every layer.
         rotary_emb = rotary_embedding(config, max_position)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
@@ -128,13 +153,13 @@ class CausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: PretrainedConfig, max_position: int):
+    def __init__(self, config: PretrainedConfig, max_position: int, tp: TensorParallelGroup | None = None):
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model type {config.model_type!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        self.model = DecoderModel(config, max_position)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DecoderModel(config, max_position, tp)
+        self.lm_head = ParallelLMHead(Shard.split(config.vocab_size, tp), config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -142,5 +167,6 @@ class CausalLM(nn.Module):
         """Hidden states of every token in the step, ``[num_tokens, hidden]``."""
         return self.model(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the whole vocabulary; with tensor parallelism on rank 0 only (None elsewhere)."""
         return self.lm_head(hidden)

@@ -2,11 +2,17 @@
 
 Each step it packs the scheduled sequences into flat input tensors, builds the step's attention
 metadata (slot mapping, cu_seqlens or context lengths, block tables), runs the model, and
-samples one token per sequence.
+samples one token per sample row: one per sequence, or ``n`` from one logit row at a request's
+first sample. Logprobs are computed only when some sequence of the step asks for them.
+
+With tensor parallelism every rank has a model runner over its shard of the model and its own KV
+cache (its kv heads); rank 0's also sends each step's inputs to the others (``compute_logits``),
+which run ``execute_model`` on them (worker.py).
 """
 
 import contextlib
 import ctypes
+import dataclasses
 import math
 import mmap
 
@@ -23,7 +29,8 @@ from nanoengine.graph_runner import DecodeGraphRunner
 from nanoengine.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from nanoengine.loader import load_weights
 from nanoengine.model import CausalLM
-from nanoengine.sampler import Sampler
+from nanoengine.parallel import TensorParallelGroup
+from nanoengine.sampler import Sampler, SamplerOutput, compute_logprobs
 from nanoengine.sequence import Sequence
 
 CPU_KVCACHE_BYTES = 1 << 30  # the RAM budget for the KV cache on CPU
@@ -149,14 +156,15 @@ def kvcache_block_size(requested: int | None, device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: Config, hf_config: PretrainedConfig, model_path: str):
-        self.device, self.dtype = config.torch_device, config.torch_dtype
+    def __init__(self, config: Config, hf_config: PretrainedConfig, model_path: str,
+                 tp: TensorParallelGroup | None = None):
+        self.device, self.dtype, self.tp = config.torch_device, config.torch_dtype, tp
         self.block_size = kvcache_block_size(config.kvcache_block_size, self.device)
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
         # RotaryEmbedding's angle table names float32 itself, so it stays float32 in here.
         with torch.device(self.device), default_dtype(self.dtype), skip_weight_init():
-            self.model = CausalLM(hf_config, max_position=config.max_model_len).eval()
+            self.model = CausalLM(hf_config, max_position=config.max_model_len, tp=tp).eval()
         load_weights(self.model, model_path)
         if config.quantization is not None:
             quantize_linears(self.model, config.quantization)
@@ -168,6 +176,9 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = backend
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._kvcache_blocks_for_budget(config)
+        if tp is not None:  # one block table serves every rank's cache: the smallest cache sets the count
+            blocks = torch.tensor([self.num_kvcache_blocks], device=self.device)
+            self.num_kvcache_blocks = int(tp.all_reduce(blocks, torch.distributed.ReduceOp.MIN))
         self._allocate_kvcache(self.num_kvcache_blocks)
         # Decode replays CUDA graphs captured over the cache just allocated; prefill stays eager.
         self.graph_runner = None
@@ -222,7 +233,7 @@ class ModelRunner:
         cu = torch.tensor([0] + lengths, dtype=torch.int32, device=self.device).cumsum(0, dtype=torch.int32)
         num_tokens = sum(lengths)
         ctx = Context(True, torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
-                      cu, cu, max(lengths), max(lengths))
+                      cu, cu, max(lengths), max(lengths), logits_indices=(cu[1:] - 1).long())
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         self.model.compute_logits(self.model(input_ids, positions, ctx)[cu[1:] - 1])
@@ -243,21 +254,31 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
 
     def prepare_prefill(self, seqs: list[Sequence]):
+        """Inputs of a step in which some sequence computes more than its newest token: prompts,
+        chunks of prompts, and (with chunked prefill) decodes beside them, packed back to back.
+        Each sequence computes its tokens ``num_computed_tokens`` to ``+ num_scheduled_tokens``; the
+        ones before were cached or computed by earlier steps and are read back, not recomputed."""
         input_ids, positions, slots, cu_q, cu_k = [], [], [], [0], [0]
         for seq in seqs:
-            start = seq.num_cached_tokens  # the cached prefix is read back, not recomputed
-            input_ids += seq.token_ids[start:]
-            positions += range(start, seq.num_tokens)
-            slots += self._slots(seq, start, seq.num_tokens)
-            cu_q.append(cu_q[-1] + seq.num_tokens - start)
-            cu_k.append(cu_k[-1] + seq.num_tokens)
-        has_cached_prefix = any(seq.num_cached_tokens for seq in seqs)
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += self._slots(seq, start, end)
+            cu_q.append(cu_q[-1] + end - start)
+            cu_k.append(cu_k[-1] + end)
+        reads_cache = any(seq.num_computed_tokens for seq in seqs)
+        # The rows whose logits are needed: prompt positions that score prompt logprobs, then the sample.
+        logits_indices = []
+        for seq, first, end in zip(seqs, cu_q, cu_q[1:]):
+            logits_indices += [first + p - seq.num_computed_tokens for p in seq.prompt_logprob_positions]
+            logits_indices += [end - 1] if seq.samples else []
         ctx = Context(
             is_prefill=True, slot_mapping=self._tensor(slots, torch.int64),
             cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32),
             max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
             max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
-            block_tables=self._block_tables(seqs) if has_cached_prefix else None)
+            block_tables=self._block_tables(seqs) if reads_cache else None,
+            logits_indices=self._tensor(logits_indices, torch.int64))
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx
 
     def prepare_decode(self, seqs: list[Sequence]):
@@ -274,17 +295,75 @@ class ModelRunner:
     # -- the step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        input_ids, positions, ctx = (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
-        if is_prefill or self.graph_runner is None:
+    def run(self, seqs: list[Sequence], blocks_to_copy: list[tuple[int, int]] = ()) -> SamplerOutput:
+        """One step; rows of sampled tokens for each sequence whose computed tokens reach its end
+        (``seq.sample_indices``), a None row for a prompt chunk with more to come. First, the
+        scheduler's copy-on-write block copies."""
+        is_decode = all(seq.is_decode for seq in seqs)
+        input_ids, positions, ctx = (self.prepare_decode if is_decode else self.prepare_prefill)(seqs)
+        if blocks_to_copy:
+            ctx.blocks_to_copy = self._tensor(blocks_to_copy, torch.int64)
+        logits = self.compute_logits(input_ids, positions, ctx)
+        prompt_logprobs = None
+        if any(seq.needs_prompt_logprobs for seq in seqs):  # rows per sequence: prompt positions, then its sample
+            prompt_logprobs, sample_rows, row = [], [], 0
+            for seq in seqs:
+                span = seq.prompt_logprob_positions
+                targets = torch.tensor(seq.token_ids[span.start + 1:span.stop + 1], device=logits.device)
+                prompt_logprobs.append(compute_logprobs(logits[row:row + len(span)], targets,
+                                                        [seq.sampling_params.prompt_logprobs] * len(span))
+                                       if seq.needs_prompt_logprobs else None)
+                row += len(span)
+                if seq.samples:
+                    sample_rows.append(row)
+                    row += 1
+            logits = logits[sample_rows]
+        samples = [seq.samples for seq in seqs]
+        sampled = self._sample(logits, [seq for seq, s in zip(seqs, samples) if s]) if any(samples) else SamplerOutput([])
+        sampled.prompt_logprobs = prompt_logprobs
+        if all(samples) and len(sampled.token_ids) == len(seqs):  # the usual step: one row per sequence
+            return sampled
+        # Back to a row per sample and a None row per sequence that did not sample.
+        is_sample = [s for seq, s in zip(seqs, samples) for _ in (seq.sample_indices if s else [None])]
+        tokens, logprobs = iter(sampled.token_ids), iter(sampled.logprobs or [])
+        return SamplerOutput([next(tokens) if s else None for s in is_sample],
+                             None if sampled.logprobs is None else [next(logprobs) if s else None for s in is_sample],
+                             prompt_logprobs)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        rows = [(seq.sampling_params, index, seq.num_tokens) for seq in seqs for index in seq.sample_indices]
+        if len(rows) > len(seqs):  # a request's first sample: n rows from its one row of logits
+            counts = torch.tensor([len(seq.sample_indices) for seq in seqs], device=logits.device)
+            logits = logits.repeat_interleave(counts, dim=0)
+        token_ids = self.sampler(logits, [p.temperature for p, _, _ in rows], [p.top_k for p, _, _ in rows],
+                                 [p.top_p for p, _, _ in rows], [p.sample_seed(i) for p, i, _ in rows],
+                                 [n for _, _, n in rows])
+        logprobs = None
+        if any(p.logprobs is not None for p, _, _ in rows):
+            logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p, _, _ in rows])
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    def compute_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """Rank 0's forward. With tensor parallelism it first sends the step's inputs to the other
+        ranks, which run the same forward alongside (every layer's collectives pair up)."""
+        if self.tp is not None:
+            self.tp.send_step(input_ids=input_ids, positions=positions,
+                              **{f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)})
+        return self.execute_model(input_ids, positions, ctx)
+
+    @torch.inference_mode()
+    def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor | None:
+        """The logits of the rows that need them (on rank 0; None on the other ranks): every rank runs
+        this on the same inputs, so what it computes must follow from them alone."""
+        if ctx.blocks_to_copy is not None:
+            # In order: a block copied from early in the list may since have been freed and handed
+            # out as a later copy's destination.
+            for src, dst in ctx.blocks_to_copy.tolist():
+                self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+        if ctx.is_prefill or self.graph_runner is None:
             hidden = self.model(input_ids, positions, ctx)
         else:
             hidden = self.graph_runner.run(input_ids, positions, ctx)
-        if is_prefill:
-            hidden = hidden[ctx.cu_seqlens_q[1:] - 1]  # only each sequence's last token samples
-        logits = self.model.compute_logits(hidden)
-        params = [seq.sampling_params for seq in seqs]
-        token_ids = self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],
-                                 [p.top_p for p in params], [p.seed for p in params],
-                                 [seq.num_tokens for seq in seqs])
-        return token_ids.tolist()
+        if ctx.is_prefill:
+            hidden = hidden[ctx.logits_indices]
+        return self.model.compute_logits(hidden)

@@ -8,7 +8,13 @@ the exponential-race trick does, costs more than the whole decode matmul budget 
 A seeded row draws its number from its own generator, keyed by the seed and the token's
 position, so it samples the same tokens whatever else is in the batch, and again after a
 preemption's recompute.
+
+Logprobs, when a sequence asks for them, are the log-softmax of the raw logits (before
+temperature, top-k and top-p, as vLLM returns them), computed only for the rows that ask, so a
+batch where none does pays nothing.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +25,36 @@ SAMPLER_CHUNK = 256  # tokens per chunk of the two-level inverse CDF
 def _below(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """x, but strictly below total (the largest float under it where x is not)."""
     return torch.minimum(x, torch.nextafter(total, torch.zeros_like(total)))
+
+
+@dataclass
+class SamplerOutput:
+    """A step's samples: a row per sample (each sequence's ``sample_indices`` in turn)."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None] | None = None  # per row; None when no row asked
+    # Per sequence: its prompt tokens' logprobs from this step's positions; None when none asked.
+    prompt_logprobs: list[list[dict[int, float]] | None] | None = None
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                     num_logprobs: list[int | None]) -> list[dict[int, float] | None]:
+    """Per row: ``{token_id: logprob}`` with the row's token and its ``num_logprobs`` most likely
+    ones (the token comes first); None for a row whose ``num_logprobs`` is None."""
+    rows = [i for i, k in enumerate(num_logprobs) if k is not None]
+    if not rows:
+        return [None] * len(num_logprobs)
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = logits.index_select(0, index).float().log_softmax(dim=-1)
+    chosen = token_ids.index_select(0, index)
+    chosen_logprob = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
+    top_logprob, top_id = logprobs.topk(max(num_logprobs[i] for i in rows), dim=-1)
+    out: list[dict[int, float] | None] = [None] * len(num_logprobs)
+    for row, token, lp, top_ids, top_lps in zip(rows, chosen.tolist(), chosen_logprob, top_id.tolist(),
+                                                top_logprob.tolist()):
+        k = num_logprobs[row]
+        out[row] = {token: lp, **{t: v for t, v in zip(top_ids[:k], top_lps[:k]) if t != token}}
+    return out
 
 
 class Sampler:

@@ -3,12 +3,21 @@
 from dataclasses import dataclass
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 @dataclass
 class SamplingParams:
-    """How to sample one request's completion.
+    """How to sample one request's completions.
 
     ``temperature=0`` means greedy decoding. ``top_k=-1`` and ``top_p=1`` switch those filters
     off. A ``seed`` makes the request's samples reproducible whatever else shares its batch.
+    ``n`` samples share the prompt's computation and KV blocks. ``logprobs=k`` returns, for each
+    sampled token, its logprob and the ``k`` most likely tokens' (``0``: the sampled token's
+    only); ``prompt_logprobs=k`` the same for every prompt token. Logprobs are those of the
+    model's raw distribution, before temperature, top-k and top-p. Generation stops at a
+    ``stop`` string (the text is cut before it) or a token of ``stop_token_ids``.
     """
 
     temperature: float = 1.0
@@ -17,6 +26,11 @@ class SamplingParams:
     max_tokens: int = 64
     ignore_eos: bool = False
     seed: int | None = None
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -29,3 +43,45 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{field} must be None or an integer >= 0, got {value!r}")
+        # One form inside the engine: a list of strings, a list of ints.
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+
+    def sample_seed(self, index: int) -> int | None:
+        """The seed of sample ``index``'s random stream: the request's own for the first sample, so
+        ``n=1`` samples as it always did, and one derived from it for each other sample."""
+        if self.seed is None or index == 0:
+            return self.seed
+        return hash((self.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search (``LLM.beam_search``): keep the ``beam_width`` most likely continuations.
+
+    A finished beam is ranked by its summed logprob over ``(generated tokens) ** length_penalty``,
+    as HF transformers does: above 0 longer beams are favoured, below 0 shorter ones.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self):
+        if not _is_int(self.beam_width) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")

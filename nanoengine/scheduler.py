@@ -1,11 +1,27 @@
-"""The scheduler: which sequences run in the next step, and what happens to them after.
+"""The scheduler: which sequences run in the next step, how many tokens each, and what happens after.
 
-Each step is either all prefill (new sequences' prompts, computed in one packed batch) or all
-decode (one new token for every running sequence). Prefill goes first, so new requests join the
-running batch as soon as there is room: that is continuous batching. When decode needs a new
-KV block and none is free, the most recently admitted sequence is preempted: its blocks are
-freed and it returns to the head of the waiting queue, to be recomputed from its prompt plus
-what it has generated so far.
+Every step has a token budget, ``max_num_batched_tokens``, and each scheduled sequence computes
+``num_scheduled_tokens`` of its tokens past the ones already in the KV cache: a whole prompt, a
+chunk of one, or 1 (decode: the token sampled last step). New requests join the running batch as
+soon as there is room: that is continuous batching. Two policies share that rule:
+
+- prefill-first (the default): a step admits waiting prompts, whole, or if none can be admitted
+  decodes every running sequence. A burst of long prompts holds every running stream until they
+  are all computed.
+- chunked prefill (``enable_chunked_prefill``, vLLM V1's rule): the running sequences go first (a
+  decode token each, or the next chunk of a prompt that is still being computed), and waiting
+  prompts fill what is left of the budget, the last one admitted possibly only in part. One step
+  then mixes decodes and prompt chunks, and running streams keep a steady pace.
+
+When a running sequence needs a new KV block and none is free, the most recently admitted sequence
+is preempted: its blocks are freed and it returns to the head of the waiting queue, to be
+recomputed from its prompt plus what it has generated so far (much of it usually comes back from
+the prefix cache).
+
+After each step ``postprocess`` is the one place a sequence's new token lands: a request's first
+sample forks its other samples here, and every stop condition (EOS, ``stop_token_ids``, a
+``stop`` string in the detokenized text, length) is checked here, for ``generate`` and the server
+alike.
 """
 
 from collections import deque
@@ -16,16 +32,19 @@ from nanoengine.sequence import Sequence, SequenceStatus
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: set[int]):
+                 max_model_len: int, eos_token_ids: set[int], enable_chunked_prefill: bool = False):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # in order of admission: the tail is the newest
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
+        # (source, destination) block copies the next step must make before its forward: copy on write.
+        self.blocks_to_copy: list[tuple[int, int]] = []
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -33,13 +52,25 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick the next step's sequences; returns them and whether the step is a prefill."""
-        scheduled = self._schedule_prefill()
-        if scheduled:
-            return scheduled, True
+    def schedule(self) -> list[Sequence]:
+        """Pick the next step's sequences and set each one's ``num_scheduled_tokens``."""
+        self.blocks_to_copy = []
+        budget = self.max_num_batched_tokens
+        if self.enable_chunked_prefill:
+            scheduled = self._schedule_running(budget)
+            scheduled += self._schedule_waiting(budget - sum(seq.num_scheduled_tokens for seq in scheduled))
+        else:
+            scheduled = self._schedule_waiting(budget) or self._schedule_running(budget)
+        assert scheduled, "nothing could be scheduled: the KV cache is smaller than one sequence"
+        return scheduled
 
+    def _schedule_running(self, budget: int) -> list[Sequence]:
+        """Oldest first, each running sequence's next tokens: its newest token, or the next chunk of a
+        prompt still being computed (whose blocks it already holds)."""
+        scheduled = []
         for seq in list(self.running):
+            if budget == 0:
+                break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older sequence
             while not self.block_manager.can_append(seq):
@@ -47,28 +78,33 @@ class Scheduler:
                 if seq.status != SequenceStatus.RUNNING:
                     break
             else:
-                self.block_manager.may_append(seq)
+                if (copy := self.block_manager.may_append(seq)) is not None:
+                    self.blocks_to_copy.append(copy)
+                seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                budget -= seq.num_scheduled_tokens
                 scheduled.append(seq)
-        assert scheduled, "nothing could be scheduled: the KV cache is smaller than one sequence"
-        return scheduled, False
+        return scheduled
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        """Admit waiting sequences while the token budget and the free blocks allow.
+    def _schedule_waiting(self, budget: int) -> list[Sequence]:
+        """Admit waiting sequences while the token budget and the free blocks allow; without chunked
+        prefill only whole prompts.
 
         All or nothing: if admitting one fails, those admitted before it in this call go back to
         the head of the waiting queue, so a failed schedule leaves the queues as they were.
         """
-        scheduled, num_batched_tokens = [], 0
+        scheduled = []
         try:
-            while self.waiting and len(self.running) < self.max_num_seqs:
+            while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
                 seq = self.waiting[0]
                 # Only tokens that will actually be computed count against the token budget.
                 num_new_tokens = seq.num_tokens - self.block_manager.num_cached_tokens(seq)
-                if (num_batched_tokens + num_new_tokens > self.max_num_batched_tokens
-                        or not self.block_manager.can_allocate(seq)):
+                if num_new_tokens > budget and self.enable_chunked_prefill:
+                    num_new_tokens = budget
+                if num_new_tokens > budget or not self.block_manager.can_allocate(seq):
                     break
-                self.block_manager.allocate(seq)
-                num_batched_tokens += num_new_tokens
+                self.block_manager.allocate(seq, num_new_tokens)
+                seq.num_scheduled_tokens = num_new_tokens
+                budget -= num_new_tokens
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(self.waiting.popleft())
                 scheduled.append(seq)
@@ -89,16 +125,51 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> None:
-        """Append each sequence's new token and retire the sequences that are done."""
-        for seq, token_id in zip(seqs, token_ids):
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int | None],
+                    logprobs: list[dict[int, float] | None] | None = None,
+                    prompt_logprobs: list[list[dict[int, float]] | None] | None = None) -> list[Sequence]:
+        """Record each sequence's computed tokens, append the new tokens of those that sampled and
+        retire the sequences that are done; returns the sequences that got a token (the step's,
+        then the children it forked).
+
+        ``token_ids`` (and ``logprobs``) hold a row per sample, ``seq.sample_indices`` of each
+        sequence that samples (``seq.samples``: a request's first sample brings ``n`` rows and forks
+        ``n - 1`` children), and one None row for a prompt chunk with more to come.
+        """
+        stepped, children, row = [], [], 0
+        for i, seq in enumerate(seqs):
+            start, samples = seq.num_computed_tokens, seq.samples
+            seq.num_computed_tokens += seq.num_scheduled_tokens
             self.block_manager.cache_full_blocks(seq)  # the step wrote its K/V: keep or add cache entries
-            seq.append_token(token_id)
-            params = seq.sampling_params
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                self.finish(seq, "stop")
-            elif seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                self.finish(seq, "length")
+            if prompt_logprobs is not None and prompt_logprobs[i] is not None:
+                # Entry p is token p's; a prompt recomputed after a preemption overwrites its own.
+                seq.prompt_logprobs = (seq.prompt_logprobs or [None])[:start + 1] + prompt_logprobs[i]
+            if not samples:
+                row += 1
+                continue
+            forked = [self.block_manager.fork(seq, index) for index in seq.sample_indices[1:]]
+            self.running.extend(forked)  # the newest: preempted first
+            children += forked
+            stepped.append(seq)
+            for sample in [seq] + forked:
+                self._append(sample, token_ids[row], None if logprobs is None else logprobs[row])
+                row += 1
+        return stepped + children
+
+    def _append(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None) -> None:
+        """Append one sampled token and finish the sequence if a stop condition is met."""
+        seq.append_token(token_id, logprobs)
+        params, reason = seq.sampling_params, None
+        if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
+            reason = "stop"
+        elif seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if seq.detokenizer is not None:  # made by the engine; a unit test's bare sequence has none
+            seq.detokenizer.add([token_id], finished=reason is not None)
+            if seq.detokenizer.stopped:  # the text now holds a stop string, and is cut before it
+                reason = "stop"
+        if reason is not None:
+            self.finish(seq, reason)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (done, or aborted by its caller) and free its blocks at once."""

@@ -1,9 +1,16 @@
-"""A sequence: one request's tokens and its place in the paged KV cache.
+"""A sequence: one sample's tokens and its place in the paged KV cache.
 
 The scheduler moves sequences between queues, the block manager fills in their block tables,
 and the model runner reads both to build each step's inputs.
+
+A request is a *sequence group*: one sequence until its first sample, then ``n`` (as in vLLM,
+the prompt is computed once). At that first sample the sequence draws all ``n`` tokens from its
+one logit row and forks ``n - 1`` children, which share its KV blocks by reference count
+(``BlockManager.fork``). From then on each is an ordinary sequence of its own: scheduled,
+preempted and finished alone. ``group`` is the one list of a request's sequences, shared by all.
 """
 
+import copy
 from enum import Enum, auto
 from itertools import count
 
@@ -26,11 +33,26 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.block_size = block_size
-        # Tokens at the start of the sequence whose K/V were found in the prefix cache at the
-        # last prefill; the model runner computes only the rest.
+        # Tokens at the start of the sequence whose K/V were found in the prefix cache when it was
+        # last admitted (the model runner never computes them), and tokens whose K/V are in the
+        # cache by now (cached or computed by earlier steps). The scheduler sets, for each step,
+        # how many tokens past ``num_computed_tokens`` that step computes: a whole prompt, a chunk
+        # of one, or 1 (the newest token, in decode).
         self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
+        self.num_scheduled_tokens = 0
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
+        self.request_id = self.seq_id  # the first sequence's id names the request
+        self.sample_index = 0  # which of the request's n samples this is
+        self.group: list[Sequence] = [self]
+        # Set by the engine: the completion's text, as it grows, and its stop strings.
+        self.detokenizer = None
+        # Only when asked for: per generated token, {token_id: logprob}; per prompt token likewise.
+        asked = sampling_params.logprobs is not None
+        self.logprobs: list[dict[int, float]] | None = [] if asked else None
+        self.cumulative_logprob: float | None = 0.0 if asked else None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -53,6 +75,12 @@ class Sequence:
         return (len(self.token_ids) + self.block_size - 1) // self.block_size
 
     @property
+    def is_decode(self) -> bool:
+        """Whether this step computes only the token sampled last, the one past the prompt without K/V."""
+        return (self.num_scheduled_tokens == 1 and self.num_computed_tokens == self.num_tokens - 1
+                and self.num_computed_tokens >= self.num_prompt_tokens)
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
@@ -60,5 +88,49 @@ class Sequence:
         """Token ids of logical block ``i``."""
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
-    def append_token(self, token_id: int) -> None:
+    @property
+    def samples(self) -> bool:
+        """Whether this step's tokens reach the sequence's end, so that it samples (a prompt chunk
+        with more to come does not)."""
+        return self.num_computed_tokens + self.num_scheduled_tokens == self.num_tokens
+
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """This step's positions whose logits score the prompt token after them (empty unless
+        prompt logprobs are asked); the last prompt position scores a sample instead."""
+        if not self.needs_prompt_logprobs:
+            return range(0)
+        start = self.num_computed_tokens
+        return range(start, max(start, min(start + self.num_scheduled_tokens, self.num_prompt_tokens - 1)))
+
+    @property
+    def sample_indices(self) -> range:
+        """The samples this sequence draws at its next sampling step: before its first token, all
+        of its request's (children are forked for all but the first), then only its own."""
+        if self.num_completion_tokens == 0:
+            return range(self.sampling_params.n)
+        return range(self.sample_index, self.sample_index + 1)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are computed at the prefill before the first sample, never again."""
+        return self.sampling_params.prompt_logprobs is not None and self.num_completion_tokens == 0
+
+    def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
         self.token_ids.append(token_id)
+        if self.logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token_id]
+
+    def fork(self, sample_index: int) -> "Sequence":
+        """A child sequence for sample ``sample_index``, made before the first token is appended:
+        same tokens and block table (the block manager takes the references), its own state."""
+        assert self.num_completion_tokens == 0
+        child = copy.copy(self)
+        child.seq_id, child.sample_index = next(Sequence._ids), sample_index
+        child.token_ids, child.block_table = list(self.token_ids), list(self.block_table)
+        child.logprobs = None if self.logprobs is None else []
+        if self.detokenizer is not None:
+            child.detokenizer = self.detokenizer.fork()
+        self.group.append(child)
+        return child

@@ -1,11 +1,11 @@
 """An OpenAI-compatible HTTP server: ``python -m nanoengine.serve --model PATH --port 8000``.
 
 FastAPI turns each request into token ids and ``SamplingParams``, hands them to the
-``AsyncLLMEngine`` and turns the tokens that come back into text: whole, or streamed as
-server-sent events in OpenAI's chunk format, through a ``Detokenizer``, which also finds stop
-strings in the text; one ends the request early. However a response ends (done, stop string,
-client gone), its request is aborted, so the KV blocks of a client that disconnects are freed at
-once.
+``AsyncLLMEngine`` and turns what comes back (each sample's new tokens, their text and logprobs)
+into OpenAI's JSON: whole, or streamed as server-sent events in OpenAI's chunk format, one choice
+per sample (``n``). Stop strings and stop token ids are the engine's, as offline. However a
+response ends (done, client gone), its request is aborted, so the KV blocks of a client that
+disconnects are freed at once.
 
 Errors are OpenAI's JSON: 400 for a bad request, 500 when the step running a request failed
 (in a stream: an error event, then ``[DONE]``), 503 from every endpoint, ``/health`` included,
@@ -24,11 +24,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict
 
 from nanoengine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, RequestStream
-from nanoengine.detokenizer import Detokenizer
 from nanoengine.engine import LLMEngine
 from nanoengine.loader import DEFAULT_MODEL_FILE
 from nanoengine.sampling_params import SamplingParams
@@ -41,8 +39,8 @@ class BadRequest(ValueError):
 
 
 class _Request(BaseModel):
-    # Strict: "5" is not an integer. Extras forbidden: an unsupported option (logprobs,
-    # presence_penalty, ...) fails loudly instead of being silently ignored.
+    # Strict: "5" is not an integer. Extras forbidden: an unsupported option (presence_penalty,
+    # logit_bias, ...) fails loudly instead of being silently ignored.
     model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None  # one model is served; the name is echoed back
     max_tokens: int | None = None
@@ -52,6 +50,7 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # an extension, as in vLLM
     n: int = 1
     stream: bool = False
     stream_options: dict[str, bool] | None = None  # {"include_usage": true} adds a usage chunk
@@ -59,6 +58,7 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[int]
+    logprobs: int | None = None  # how many top tokens' logprobs to return beside each sampled one
 
 
 class ChatMessage(BaseModel):
@@ -70,6 +70,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # the newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None  # with logprobs: how many top tokens' logprobs beside each sampled one
 
 
 class EventStream(StreamingResponse):
@@ -119,13 +121,30 @@ async def unless_disconnected(request: Request, work: Awaitable[dict]) -> dict |
     return Response(status_code=499)  # nginx's "client closed request": nobody is left to read it
 
 
-def sampling_params(req: _Request, max_tokens: int) -> SamplingParams:
-    if req.n != 1:
-        raise BadRequest(f"n must be 1 (only one completion per request is supported), got {req.n}", "n")
-    if isinstance(req.stop, list) and not all(req.stop) or req.stop == "":
-        raise BadRequest("stop strings must not be empty", "stop")
+def sampling_params(req: _Request, max_tokens: int, logprobs: int | None) -> SamplingParams:
     return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-                          ignore_eos=req.ignore_eos, max_tokens=max_tokens)
+                          ignore_eos=req.ignore_eos, max_tokens=max_tokens, n=req.n, logprobs=logprobs,
+                          stop=req.stop, stop_token_ids=req.stop_token_ids)
+
+
+def completion_logprobs(tokenizer, logprobs: list[dict[int, float]], offset: int) -> dict:
+    """The completions API's shape: each token's text and logprob, its top alternatives by text,
+    and where each token's text starts (``offset``: the length of the choice's text before them)."""
+    tokens = [tokenizer.decode([next(iter(top))]) for top in logprobs]
+    starts = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [next(iter(top.values())) for top in logprobs],
+            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in top.items()} for top in logprobs],
+            "text_offset": starts}
+
+
+def chat_logprobs(tokenizer, logprobs: list[dict[int, float]], num_top: int) -> dict:
+    """The chat API's shape: per token its text, bytes, logprob and its ``num_top`` best alternatives."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"content": [{**entry(*next(iter(top.items()))),
+                         "top_logprobs": [entry(*item) for item in sorted(top.items(), key=lambda x: -x[1])[:num_top]]}
+                        for top in logprobs]}
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
@@ -153,26 +172,42 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     async def on_value_error(request: Request, exc: ValueError) -> JSONResponse:
         return error_response(str(exc), getattr(exc, "param", None))
 
-    async def generate(request: Request, req: _Request, prompt_ids: list[int], max_tokens: int, chat: bool):
-        params = sampling_params(req, max_tokens)
-        stream = await engine.add_request(prompt_ids, params)
-        text = Detokenizer(engine.tokenizer, [req.stop] if isinstance(req.stop, str) else req.stop or [])
+    async def generate(request: Request, req: _Request, prompt_ids: list[int], max_tokens: int, chat: bool,
+                       logprobs: int | None):
+        stream = await engine.add_request(prompt_ids, sampling_params(req, max_tokens, logprobs))
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": model_name}
+        num_tokens = [0] * req.n  # per sample (choice index)
 
         def usage() -> dict:
-            n = len(text.token_ids)
+            n = sum(num_tokens)
             return {"prompt_tokens": len(prompt_ids), "completion_tokens": n, "total_tokens": len(prompt_ids) + n}
 
+        def choice(index: int, text: str, finish_reason: str | None, token_logprobs: list | None, offset: int) -> dict:
+            """A choice of a response, or of a chunk when streaming; ``offset``: the length of its text before."""
+            logprobs_json = None
+            if logprobs is not None and token_logprobs:
+                logprobs_json = (chat_logprobs(engine.tokenizer, token_logprobs, logprobs) if chat
+                                 else completion_logprobs(engine.tokenizer, token_logprobs, offset))
+            if chat and req.stream:
+                content = {"delta": {"content": text} if text else {}}
+            else:
+                content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            return {"index": index, "logprobs": logprobs_json, "finish_reason": finish_reason, **content}
+
         async def whole() -> dict:
+            texts, token_logprobs = [[] for _ in range(req.n)], [[] for _ in range(req.n)]
+            finish_reasons = [None] * req.n
             try:
-                async for finish_reason, _ in deltas(stream, text):
-                    pass
+                async for out in stream:
+                    texts[out.index].append(out.text)
+                    num_tokens[out.index] += len(out.token_ids)
+                    finish_reasons[out.index] = out.finish_reason
+                    token_logprobs[out.index] += out.logprobs or []
             finally:
                 stream.abort()
-            choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
-            choice.update({"message": {"role": "assistant", "content": text.text}} if chat else {"text": text.text})
-            return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+            choices = [choice(i, "".join(texts[i]), finish_reasons[i], token_logprobs[i], 0) for i in range(req.n)]
+            return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                     "usage": usage()}
 
         if not req.stream:
@@ -181,20 +216,20 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
         async def events() -> AsyncIterator[str]:
             obj = "chat.completion.chunk" if chat else "text_completion"
 
-            def chunk(delta: str, finish_reason: str | None, role: bool = False) -> str:
-                choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
-                if chat:
-                    choice["delta"] = ({"role": "assistant"} if role else {}) | ({"content": delta} if delta else {})
-                else:
-                    choice["text"] = delta
+            def event(choice: dict) -> str:
                 return f"data: {json.dumps({**head, 'object': obj, 'choices': [choice]})}\n\n"
 
             if chat:
-                yield chunk("", None, role=True)
+                for i in range(req.n):
+                    yield event({"index": i, "logprobs": None, "finish_reason": None, "delta": {"role": "assistant"}})
+            text_lengths = [0] * req.n
             try:
-                async for finish_reason, delta in deltas(stream, text):
-                    if delta or finish_reason:
-                        yield chunk(delta, finish_reason)
+                async for out in stream:
+                    if out.text or out.finish_reason or out.logprobs:
+                        yield event(choice(out.index, out.text, out.finish_reason, out.logprobs,
+                                           text_lengths[out.index]))
+                    text_lengths[out.index] += len(out.text)
+                    num_tokens[out.index] += len(out.token_ids)
             except EngineError as e:  # the status line has gone out: the error can only be an event
                 yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
             else:
@@ -204,38 +239,24 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
 
         return EventStream(events(), stream)
 
-    async def deltas(stream: RequestStream, text: Detokenizer) -> AsyncIterator[tuple[str | None, str]]:
-        """(finish_reason, new text) for each engine output; a stop string ends the request early."""
-        async for output in stream:
-            delta = text.add(output.token_ids, output.finish_reason is not None)
-            if text.stopped:
-                stream.abort()
-            finish_reason = "stop" if text.stopped else output.finish_reason
-            yield finish_reason, delta
-            if finish_reason:
-                return
-
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         prompt_ids = engine.tokenize(req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
-        return await generate(request, req, prompt_ids, max_tokens, chat=False)
+        return await generate(request, req, prompt_ids, max_tokens, chat=False, logprobs=req.logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         if not req.messages:
             raise BadRequest("messages must not be empty", "messages")
-        try:
-            prompt = engine.tokenizer.apply_chat_template([m.model_dump() for m in req.messages], tokenize=False,
-                                                          add_generation_prompt=True)
-        except TemplateError as e:  # templates may reject a conversation, e.g. roles out of order
-            raise BadRequest(f"the chat template rejected the messages: {e}", "messages")
-        # The template already holds the special tokens (BOS and the like): add none again.
-        prompt_ids = engine.tokenize(engine.tokenizer.encode(prompt, add_special_tokens=False))
+        if req.top_logprobs is not None and not req.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        prompt_ids = engine.chat_prompt([m.model_dump() for m in req.messages])
         # Unset means "until the context is full", as OpenAI's chat API does.
         max_tokens = next((m for m in (req.max_tokens, req.max_completion_tokens) if m is not None),
                           max(1, max_model_len - len(prompt_ids)))
-        return await generate(request, req, prompt_ids, max_tokens, chat=True)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return await generate(request, req, prompt_ids, max_tokens, chat=True, logprobs=logprobs)
 
     @app.get("/v1/models")
     async def models():
@@ -266,8 +287,10 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization (default: none)")
+    parser.add_argument("--tensor-parallel-size", type=int, help="ranks to split the model over (default: 1)")
     args = parser.parse_args()
-    options = {k: v for k in ("max_model_len", "max_num_seqs", "num_kvcache_blocks", "dtype", "device", "quantization")
+    options = {k: v for k in ("max_model_len", "max_num_seqs", "num_kvcache_blocks", "dtype", "device", "quantization",
+                              "tensor_parallel_size")
                if (v := getattr(args, k)) is not None}
     try:
         engine = LLMEngine(args.model, **options)

@@ -59,7 +59,8 @@ def test_sampling_params_list_must_match_prompts(llm):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"no_such_option": 1}, "unknown option"), ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"no_such_option": 1}, "unknown option"), ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"tensor_parallel_size": 3}, "attention heads"),
     ({"device": "tpu"}, "device"), ({"dtype": "int8"}, "dtype"), ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"max_model_len": 10**6}, "max_model_len"), ({"num_kvcache_blocks": 2, "max_model_len": 64}, "KV cache"),
     ({"max_num_batched_tokens": 16, "max_model_len": 64}, "max_num_batched_tokens"),

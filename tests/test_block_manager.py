@@ -25,10 +25,16 @@ def make_seq(token_ids: list[int], block_size: int = BS) -> Sequence:
     return Sequence(token_ids, SamplingParams(), block_size)
 
 
+def computed(bm: BlockManager, seq: Sequence) -> None:
+    """A step has written the K/V of every token the sequence has (the scheduler's postprocess)."""
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_full_blocks(seq)
+
+
 def admit(bm: BlockManager, seq: Sequence) -> None:
     """A prefill step that has run: blocks for every token, their K/V written, full ones registered."""
     bm.allocate(seq)
-    bm.cache_full_blocks(seq)
+    computed(bm, seq)
 
 
 def prefill(bm: BlockManager, seq: Sequence, sampled: int = 99) -> None:
@@ -42,7 +48,7 @@ def decode(bm: BlockManager, seq: Sequence, sampled: int = 98) -> None:
     """What one decode step does: a slot for the newest token, its K/V written, the next token."""
     assert bm.can_append(seq)
     bm.may_append(seq)
-    bm.cache_full_blocks(seq)
+    computed(bm, seq)
     seq.append_token(sampled)
 
 
@@ -266,7 +272,7 @@ def test_decode_takes_one_new_block_exactly_at_each_block_boundary():
         assert len(seq.block_table) * BS >= seq.num_tokens  # the newest token has a slot
         if grew:
             grew_at.append(seq.num_tokens)
-        bm.cache_full_blocks(seq)
+        computed(bm, seq)
         seq.append_token(0)
     # The token at position 8, 12, 16 (the 9th, 13th, 17th) is the first of a new block.
     assert grew_at == [9, 13, 17]
@@ -281,7 +287,7 @@ def test_decode_registers_a_block_only_once_its_kv_is_written():
     bm.may_append(seq)  # the step that writes position 7 is scheduled, but has not run yet
     assert bm.blocks[seq.block_table[1]].hash == -1
     assert bm.num_cached_tokens(make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0])) == 4
-    bm.cache_full_blocks(seq)  # it has run: block 1 is now full of K/V
+    computed(bm, seq)  # it has run: block 1 is now full of K/V
     seq.append_token(0)
     block = bm.blocks[seq.block_table[1]]
     assert block.hash == chain_hashes([1, 2, 3, 4, 5, 6, 7, 8])[1]
@@ -430,7 +436,7 @@ class BlockManagerAgainstReference(RuleBasedStateMachine):
         self.live.append(seq)
         if completes:
             self.ref.compute_prompt(table, len(hits), seq.token_ids)
-            self.bm.cache_full_blocks(seq)
+            computed(self.bm, seq)
         else:  # a step that fails may have written any part of its blocks; the engine aborts them
             self._finish(seq)
             self.ref.forget_prompt(table, len(hits), seq.token_ids)
@@ -469,7 +475,7 @@ class BlockManagerAgainstReference(RuleBasedStateMachine):
         assert seq.block_table == table
         self.every_cache_entry_matches_its_blocks_contents()  # nothing registered before K/V is written
         self.ref.write(table[-1], seq.token_ids, seq.num_tokens)
-        self.bm.cache_full_blocks(seq)
+        computed(self.bm, seq)
         seq.append_token(sampled)
 
     @rule(index=st.integers(0, 99))

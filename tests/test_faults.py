@@ -26,8 +26,8 @@ class Fault(Exception):
     pass
 
 
-def make_llm(model: str) -> LLM:
-    return LLM(model, device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=64)
+def make_llm(model: str, **kwargs) -> LLM:
+    return LLM(model, device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=64, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +64,18 @@ def inject(llm: LLM, where: str, n: int, monkeypatch) -> None:
         monkeypatch.setattr(bm, "cache_full_blocks", raise_on_call(n, bm.cache_full_blocks))
 
 
-@pytest.mark.parametrize("where,n", [
-    ("schedule", 2), ("prepare_prefill", 1), ("prepare_decode", 3), ("forward", 1), ("forward", 4),
-    ("sampling", 1), ("sampling", 5), ("postprocess", 3), ("postprocess", 9),
+CHUNKED = dict(enable_chunked_prefill=True, max_num_batched_tokens=7)
+
+
+@pytest.mark.parametrize("where,n,options", [
+    ("schedule", 2, {}), ("prepare_prefill", 1, {}), ("prepare_decode", 3, {}), ("forward", 1, {}),
+    ("forward", 4, {}), ("sampling", 1, {}), ("sampling", 5, {}), ("postprocess", 3, {}), ("postprocess", 9, {}),
+    # Chunked prefill: a step may fail after earlier chunks of its prompts were computed and cached;
+    # those stay valid, the failed chunk's blocks must not be served.
+    ("prepare_prefill", 2, CHUNKED), ("forward", 2, CHUNKED), ("forward", 3, CHUNKED), ("postprocess", 4, CHUNKED),
 ])
-def test_engine_after_a_failed_step_matches_a_fresh_one(tiny_models, expected, where, n, monkeypatch):
-    llm = make_llm(tiny_models["llama"])
+def test_engine_after_a_failed_step_matches_a_fresh_one(tiny_models, expected, where, n, options, monkeypatch):
+    llm = make_llm(tiny_models["llama"], **options)
     inject(llm, where, n, monkeypatch)
     with pytest.raises(Fault):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)

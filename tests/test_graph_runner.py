@@ -12,8 +12,9 @@ gpu_memory_utilization.
 import pytest
 import torch
 
-from nanoengine.engine import LLM, LLMEngine
+from nanoengine.engine import LLMEngine
 from nanoengine.graph_runner import DecodeGraphRunner, decode_buckets
+from nanoengine.llm import LLM
 from nanoengine.sampling_params import SamplingParams
 
 MAX_NUM_SEQS = 24
@@ -38,8 +39,8 @@ def decoding_engine(model: str, num_seqs: int, **kwargs):
         prompt = torch.randint(0, engine.vocab_size, (1 + 3 * i,), generator=gen).tolist()
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert len(engine.step()) == num_seqs  # the prefill
-    seqs, is_prefill = engine.scheduler.schedule()
-    assert not is_prefill and len(seqs) == num_seqs
+    seqs = engine.scheduler.schedule()
+    assert all(seq.is_decode for seq in seqs) and len(seqs) == num_seqs
     return engine, seqs
 
 

@@ -42,6 +42,7 @@ def test_teacher_forced_logits_match_hf_through_paged_cache(arch, dtype, tiny_mo
     seqs = [Sequence(ids[:n], SamplingParams(), 16) for ids, n in zip(full, PROMPT_LENS)]
     for seq in seqs:
         llm.block_manager.allocate(seq)
+        seq.num_scheduled_tokens = seq.num_tokens  # the whole prompt in one step
     input_ids, positions, ctx = runner.prepare_prefill(seqs)
     logits = model.compute_logits(model(input_ids, positions, ctx))
     for i, n in enumerate(PROMPT_LENS):

@@ -94,6 +94,7 @@ def perplexity(llm: LLM, token_ids: list[int]) -> float:
     runner = llm.model_runner
     seq = Sequence(token_ids, SamplingParams(), llm.config.kvcache_block_size or runner.block_size)
     llm.block_manager.allocate(seq)
+    seq.num_scheduled_tokens = seq.num_tokens
     input_ids, positions, ctx = runner.prepare_prefill([seq])
     logits = runner.model.compute_logits(runner.model(input_ids, positions, ctx)).float()
     llm.block_manager.deallocate(seq)

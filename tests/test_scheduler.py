@@ -57,14 +57,14 @@ class FakeRunner:
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+    def run(self, seqs: list[Sequence]) -> list[int | None]:
         for seq in seqs:  # in batch order: a later sequence may read what an earlier one wrote
             assert seq.status == SequenceStatus.RUNNING and len(seq.block_table) == seq.num_blocks
-            first = seq.num_cached_tokens if is_prefill else seq.num_tokens - 1
-            if is_prefill:
-                assert first % self.block_size == 0 and first < seq.num_tokens
+            first, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            assert first < end <= seq.num_tokens and first >= seq.num_cached_tokens
+            assert seq.num_cached_tokens % self.block_size == 0
             key = 0
-            for pos, token in enumerate(seq.token_ids):
+            for pos, token in enumerate(seq.token_ids[:end]):
                 key = hash((key, token))
                 slot = self.slot(seq, pos)
                 if pos < first:  # read back from the cache: it must be this very prefix's K/V
@@ -72,18 +72,19 @@ class FakeRunner:
                 else:
                     # A prefill may write a block that a later sequence of the same batch already
                     # shares (it reads after the write); a decode step writes only its own block.
-                    assert is_prefill or self.bm.blocks[seq.block_table[-1]].ref_count == 1
+                    assert not seq.is_decode or self.bm.blocks[seq.block_table[-1]].ref_count == 1
                     self.kv[slot] = (key, token)
-            self.inputs.append((seq.seq_id, is_prefill, seq.token_ids[first:]))
-        return [self.model(seq.token_ids) for seq in seqs]
+            self.inputs.append((seq.seq_id, not seq.is_decode, seq.token_ids[first:end]))
+        return [self.model(seq.token_ids) if seq.num_computed_tokens + seq.num_scheduled_tokens == seq.num_tokens
+                else None for seq in seqs]
 
 
 def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_seqs: int = 8,
                    max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
-                   caching: bool = True, model=next_token) -> tuple[Scheduler, FakeRunner]:
+                   caching: bool = True, model=next_token, chunked: bool = False) -> tuple[Scheduler, FakeRunner]:
     max_model_len = max_model_len or num_blocks * block_size
     bm = BlockManager(num_blocks, block_size, caching)
-    scheduler = Scheduler(bm, max_num_seqs, max_num_batched_tokens or max_model_len, max_model_len, {EOS})
+    scheduler = Scheduler(bm, max_num_seqs, max_num_batched_tokens or max_model_len, max_model_len, {EOS}, chunked)
     return scheduler, FakeRunner(bm, model)
 
 
@@ -95,8 +96,10 @@ def add(scheduler: Scheduler, prompt: list[int], max_tokens: int = 16, ignore_eo
 
 
 def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[list[Sequence], bool]:
-    seqs, is_prefill = scheduler.schedule()
-    scheduler.postprocess(seqs, runner.run(seqs, is_prefill))
+    """One step; returns its sequences and whether any of them computed prompt tokens."""
+    seqs = scheduler.schedule()
+    is_prefill = not all(seq.is_decode for seq in seqs)
+    scheduler.postprocess(seqs, runner.run(seqs))
     return seqs, is_prefill
 
 
@@ -309,9 +312,11 @@ def workloads(draw):
     num_blocks = draw(st.integers(1, 12))
     capacity = min(num_blocks * block_size, 32)
     max_model_len = draw(st.one_of(st.just(capacity), st.integers(1, capacity)))  # often as large as allowed
+    chunked = draw(st.booleans())
+    # Chunked prefill splits prompts, so its budget may be smaller than one prompt.
     config = dict(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
-                  max_num_batched_tokens=draw(st.integers(max_model_len, 2 * max_model_len + 4)),
-                  max_num_seqs=draw(st.integers(1, 5)), caching=draw(st.booleans()))
+                  max_num_batched_tokens=draw(st.integers(1 if chunked else max_model_len, 2 * max_model_len + 4)),
+                  max_num_seqs=draw(st.integers(1, 5)), caching=draw(st.booleans()), chunked=chunked)
     bases = draw(st.lists(st.lists(st.integers(1, VOCAB - 1), max_size=24), min_size=1, max_size=3))
     requests = []
     for _ in range(draw(st.integers(1, 12))):
@@ -330,8 +335,11 @@ def drive(config: dict, requests: list[Request]) -> Scheduler:
     scheduler, runner = make_scheduler(**config)
     bm, max_num_seqs, budget = scheduler.block_manager, config["max_num_seqs"], scheduler.max_num_batched_tokens
     seqs: dict[int, Sequence] = {}
-    # Every model step gives at least one sequence a token: more steps than that is a livelock.
+    # Every model step gives at least one sequence a token, or (chunked) computes at least one prompt
+    # token: more steps than that is a livelock.
     max_steps = max(r.arrival for r in requests) + sum(r.params.max_tokens for r in requests) + 1
+    if config.get("chunked"):
+        max_steps += sum(len(r.prompt) + r.params.max_tokens for r in requests) * (1 + len(requests))
     for now in range(max_steps + 1):
         for i, r in enumerate(requests):
             if r.arrival == now:
@@ -347,28 +355,33 @@ def drive(config: dict, requests: list[Request]) -> Scheduler:
         num_tokens = [s.num_tokens for s in waiting + running]
         head_fits = bool(waiting) and len(running) < max_num_seqs and bm.can_allocate(waiting[0])
 
-        batch, is_prefill = scheduler.schedule()
+        batch = scheduler.schedule()
         assert batch and len(set(batch)) == len(batch)
         assert [s.num_tokens for s in waiting + running] == num_tokens, "preemption keeps generated tokens"
-        assert is_prefill == head_fits, "prefill must go first whenever the queue's head can be admitted"
-        if is_prefill:
-            computed = sum(s.num_tokens - s.num_cached_tokens for s in batch)
-            assert batch == waiting[:len(batch)] and list(scheduler.running) == running + batch
-            assert computed <= budget and len(scheduler.running) <= max_num_seqs
-            assert scheduler.prefix_cache_hit_tokens == hits_before + sum(s.num_cached_tokens for s in batch)
-            if not config["caching"]:
-                assert all(s.num_cached_tokens == 0 for s in batch)
+        computed = sum(s.num_scheduled_tokens for s in batch)
+        assert computed <= budget and len(scheduler.running) <= max_num_seqs
+        admitted = [s for s in batch if s not in running]
+        assert scheduler.prefix_cache_hit_tokens == hits_before + sum(s.num_cached_tokens for s in admitted)
+        if not config["caching"]:
+            assert all(s.num_cached_tokens == 0 for s in admitted)
+        if config.get("chunked"):
+            check_chunked_step(scheduler, batch, admitted, running, waiting, preemptions_before, budget)
+        elif admitted:
+            assert head_fits, "prefill must go first whenever the queue's head can be admitted"
+            assert batch == admitted == waiting[:len(batch)] and list(scheduler.running) == running + batch
+            assert all(s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens for s in batch)
             if scheduler.waiting and len(scheduler.running) < max_num_seqs:  # the next one could not join
                 head = scheduler.waiting[0]
                 assert (computed + head.num_tokens - bm.num_cached_tokens(head) > budget
                         or not bm.can_allocate(head))
         else:
+            assert not head_fits, "prefill must go first whenever the queue's head can be admitted"
             kept = list(scheduler.running)
             assert batch == kept == running[:len(kept)], "only the newest sequences may be preempted"
             preempted = running[len(kept):]
             assert list(scheduler.waiting) == preempted + waiting  # back at the head, oldest first
             assert scheduler.num_preemptions == preemptions_before + len(preempted)
-        scheduler.postprocess(batch, runner.run(batch, is_prefill))
+        scheduler.postprocess(batch, runner.run(batch))
         for seq in batch:
             assert not seq.is_finished or (seq.block_table == [] and seq not in scheduler.running)
         check_books(scheduler, runner)
@@ -386,7 +399,30 @@ def drive(config: dict, requests: list[Request]) -> Scheduler:
     return scheduler
 
 
-@settings(max_examples=200, deadline=None)
+def check_chunked_step(scheduler: Scheduler, batch: list[Sequence], admitted: list[Sequence],
+                       running: list[Sequence], waiting: list[Sequence], preemptions_before: int, budget: int):
+    """vLLM V1's rule: running sequences first (oldest first, the newest preempted when blocks run
+    out), then waiting ones fill what is left of the budget, only the last admitted one in part."""
+    kept = [s for s in running if s.status == SequenceStatus.RUNNING]
+    preempted = running[len(kept):]
+    assert kept == running[:len(kept)], "only the newest sequences may be preempted"
+    assert scheduler.num_preemptions == preemptions_before + len(preempted)
+    assert list(scheduler.running) == kept + admitted
+    assert admitted == (preempted + waiting)[:len(admitted)], "admitted in queue order, preempted ones first"
+    assert list(scheduler.waiting) == (preempted + waiting)[len(admitted):]
+    from_running = batch[:len(batch) - len(admitted)]
+    assert batch[len(batch) - len(admitted):] == admitted and from_running == kept[:len(from_running)]
+    computed = sum(s.num_scheduled_tokens for s in batch)
+    if len(from_running) < len(kept):
+        assert computed == budget, "a running sequence was skipped although the budget had room"
+    for s in batch:
+        remaining = s.num_tokens - s.num_computed_tokens
+        assert 1 <= s.num_scheduled_tokens <= remaining
+        assert s.num_scheduled_tokens == remaining or (s is batch[-1] and computed == budget), \
+            "only the step's last sequence is cut short, and only by the budget"
+
+
+@settings(max_examples=300, deadline=None)
 @given(workloads())
 def test_random_workloads_end_with_exactly_the_tokens_asked_for(workload):
     drive(*workload)
@@ -400,3 +436,36 @@ def test_fixed_workload_exercises_preemption_and_prefix_hits():
     scheduler = drive(dict(num_blocks=8, block_size=2, max_model_len=16, max_num_batched_tokens=16,
                            max_num_seqs=4, caching=True), requests)
     assert scheduler.num_preemptions > 0 and scheduler.prefix_cache_hit_tokens > 0
+
+
+def test_chunked_prefill_mixes_running_decodes_with_chunks_of_a_new_prompt():
+    scheduler, runner = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=6, chunked=True)
+    a = add(scheduler, [1, 2, 3])
+    assert step(scheduler, runner) == ([a], True)
+    b = add(scheduler, list(range(1, 12)))  # 11 tokens: chunks of 5, 5 and 1 beside a's decodes
+    for _ in range(3):
+        assert step(scheduler, runner) == ([a, b], True)
+    assert [(seq_id, list(tokens)) for seq_id, _, tokens in runner.inputs[1:]] == [
+        (a.seq_id, [a.token_ids[3]]), (b.seq_id, list(range(1, 6))),  # b's first chunk ends mid-block
+        (a.seq_id, [a.token_ids[4]]), (b.seq_id, list(range(6, 11))),  # its second starts mid-block
+        (a.seq_id, [a.token_ids[5]]), (b.seq_id, [11])]
+    assert b.num_completion_tokens == 1  # only the step that reached b's last token sampled
+    run_until_done(scheduler, runner)
+    for seq, prompt in ((a, [1, 2, 3]), (b, list(range(1, 12)))):
+        assert (seq.completion_token_ids, seq.finish_reason) == expected_completion(prompt, seq.sampling_params, 64)
+    check_all_released(scheduler)
+
+
+def test_chunked_prefill_keeps_decoding_while_a_burst_of_prompts_is_computed():
+    scheduler, runner = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=16, max_num_batched_tokens=8,
+                                       max_model_len=64, chunked=True)
+    streams = [add(scheduler, [i + 1], max_tokens=30) for i in range(2)]
+    step(scheduler, runner)
+    burst = [add(scheduler, list(range(1, 20)), max_tokens=2) for _ in range(4)]
+    for _ in range(10):  # every step decodes both streams while the burst is computed in chunks
+        batch, _ = step(scheduler, runner)
+        assert batch[:2] == streams
+    assert all(seq.num_completion_tokens == 11 for seq in streams)  # a token every step
+    assert any(seq.num_completion_tokens for seq in burst)  # and the burst got computed meanwhile
+    run_until_done(scheduler, runner)
+    assert all(seq.finish_reason == "length" for seq in streams + burst)

@@ -195,8 +195,11 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "max_tokens": 0}),
     ("completions", {"prompt": "hi", "seed": 1.5}),
     ("completions", {"prompt": "hi", "stop": [""]}),
-    ("completions", {"prompt": "hi", "n": 2}),
-    ("completions", {"prompt": "hi", "logprobs": 3}),  # unsupported, so not silently ignored
+    ("completions", {"prompt": "hi", "n": 0}),
+    ("completions", {"prompt": "hi", "logprobs": -1}),
+    ("completions", {"prompt": "hi", "stop_token_ids": ["x"]}),
+    ("completions", {"prompt": "hi", "presence_penalty": 0.5}),  # unsupported, so not silently ignored
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),  # no logprobs
     ("completions", {"prompt": "hello " * 2000}),  # longer than max_model_len
     ("completions", {"prompt": "hello " * 2000, "stream": True}),
 ]
@@ -217,8 +220,8 @@ def test_malformed_json_gets_400_and_openai_client_sees_bad_request(server, clie
                           headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=model_name, prompt="hi", n=2)
-    assert info.value.status_code == 400 and "n must be 1" in info.value.message
+        client.completions.create(model=model_name, prompt="hi", n=0)
+    assert info.value.status_code == 400 and "n must be an integer >= 1" in info.value.message
     assert client.completions.create(model=model_name, prompt="hi", max_tokens=2).usage.completion_tokens == 2
 
 
@@ -262,11 +265,11 @@ def test_failed_step_fails_only_its_requests_with_an_error(local_server, tokeniz
     doomed = tokenizer.encode("a prompt whose steps fail")
     run, in_flight_at_faults = engine.model_runner.run, []
 
-    def faulty_run(seqs, is_prefill):
+    def faulty_run(seqs, *args):
         if any(seq.token_ids[:seq.num_prompt_tokens] == doomed for seq in seqs):
             in_flight_at_faults.append(len(engine.requests))
             raise RuntimeError("injected fault")
-        return run(seqs, is_prefill)
+        return run(seqs, *args)
     monkeypatch.setattr(engine.model_runner, "run", faulty_run)
 
     survivor = {"prompt": PROMPTS[0], "temperature": 0, "max_tokens": 48, "ignore_eos": True}

@@ -1,0 +1,92 @@
+"""The offline API: ``LLM.generate``, ``LLM.chat`` and ``LLM.beam_search`` on top of the engine's loop.
+
+Each call queues its requests (every prompt checked before any is queued), steps the engine until
+they are done, and returns plain dicts. An interrupted call (Ctrl-C, an exception) aborts what it
+queued, so the engine is left as it was.
+"""
+
+from tqdm.auto import tqdm
+
+from nanoengine.beam_search import BeamSearch
+from nanoengine.engine import LLMEngine, interrupts_deferred
+from nanoengine.sampling_params import BeamSearchParams, SamplingParams
+from nanoengine.sequence import Sequence
+
+
+def sample_output(seq: Sequence) -> dict:
+    return {"text": seq.detokenizer.text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
+            "cumulative_logprob": seq.cumulative_logprob, "logprobs": seq.logprobs}
+
+
+class LLM(LLMEngine):
+    def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
+                 use_tqdm: bool = True) -> list[dict]:
+        """Complete every prompt; results come back in the order of the prompts.
+
+        Each result holds its ``n`` samples under "outputs" and, for the first of them, "text",
+        "token_ids" and "finish_reason" at the top, as ``n=1`` always did.
+        """
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        for params in sampling_params:
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        token_ids = [self.tokenize(p) for p in prompts]  # every prompt checked before any is queued
+        request_ids = [self.add_request(t, p) for t, p in zip(token_ids, sampling_params)]
+        groups = [self.requests[i].group for i in request_ids]
+        bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            while any(not seq.is_finished for group in groups for seq in group):
+                self.step()
+                c = self.counters
+                bar.set_postfix_str(f"prefill {c['prefill_tokens'] / max(c['prefill_seconds'], 1e-9):.0f} tok/s, "
+                                    f"decode {c['decode_tokens'] / max(c['decode_seconds'], 1e-9):.0f} tok/s",
+                                    refresh=False)
+                bar.update(sum(all(seq.is_finished for seq in group) for group in groups) - bar.n)
+        finally:
+            bar.close()
+            with interrupts_deferred():
+                for request_id in request_ids:  # an interrupted generate leaves nothing queued behind
+                    self.abort_request(request_id)
+        results = []
+        for group in groups:
+            outputs = [sample_output(seq) for seq in group]
+            results.append({**{k: outputs[0][k] for k in ("text", "token_ids", "finish_reason")},
+                            "outputs": outputs, "prompt_logprobs": group[0].prompt_logprobs})
+        return results
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams],
+             use_tqdm: bool = True) -> list[dict]:
+        """``generate`` on one conversation (a list of ``{"role", "content"}``) or a list of them,
+        each rendered by the tokenizer's chat template with the generation prompt."""
+        conversations = [messages] if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
+            else messages
+        if not isinstance(conversations, list) or not conversations:
+            raise ValueError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
+        return self.generate([self.chat_prompt(c) for c in conversations], sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: list[str] | list[list[int]], params: BeamSearchParams) -> list[dict]:
+        """The ``beam_width`` best completions of each prompt, best first (see beam_search.py)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+        token_ids = [self.tokenize(p) for p in prompts]
+        if (longest := max(map(len, token_ids))) + params.max_tokens - 1 > self.config.max_model_len:
+            raise ValueError(f"max_tokens={params.max_tokens} after a prompt of {longest} tokens exceeds "
+                             f"max_model_len={self.config.max_model_len}")
+        searches = [BeamSearch(params, self.scheduler.eos_token_ids) for _ in prompts]
+        while live := [(search, prompt) for search, prompt in zip(searches, token_ids) if not search.done]:
+            # Each live beam asks for one token and the logprobs of its best candidates.
+            step = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=live[0][0].num_candidates)
+            beams = [prompt + beam.token_ids for search, prompt in live for beam in search.running]
+            outputs = iter(self.generate(beams, step, use_tqdm=False))
+            for search, _ in live:
+                search.step([next(outputs)["outputs"][0]["logprobs"][0] for _ in search.running])
+        return [{"sequences": [{"text": self.tokenizer.decode(beam.token_ids, skip_special_tokens=True),
+                                "token_ids": beam.token_ids, "cumulative_logprob": beam.cumulative_logprob}
+                               for beam in search.best()]} for search in searches]

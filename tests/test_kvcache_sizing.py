@@ -75,3 +75,24 @@ def test_warmup_runs_the_worst_case_step_and_writes_nothing_to_the_cache(tiny_mo
     before = runner.kv_cache.clone()
     runner.warmup(warmup_lengths(200, 4, 64))  # four prompts of 50 tokens
     assert torch.equal(runner.kv_cache, before)
+
+
+def test_building_the_engine_draws_nothing_from_the_global_rng(tiny_models):
+    """Every weight comes from the checkpoint, so none is drawn at random first: a caller's seeded
+    torch RNG gives the same numbers whether an engine was built in between or not."""
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    LLM(tiny_models["llama"], dtype="float32", max_model_len=64)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_a_cpu_kv_cache_starts_zeroed_where_freed_memory_held_nan(tiny_models):
+    """The cache's memory is fresh from the kernel, not reused from a freed tensor of NaNs of the
+    same size (which the heap would hand straight back, as ``keep_freed_memory_for_reuse`` keeps it)."""
+    kwargs = dict(dtype="float32", max_model_len=64, num_kvcache_blocks=64)
+    runner = LLM(tiny_models["llama"], **kwargs).model_runner
+    shape = runner.kv_cache.shape
+    del runner
+    torch.full(shape, float("nan"))  # allocated and freed at once
+    assert LLM(tiny_models["llama"], **kwargs).model_runner.kv_cache.eq(0).all()

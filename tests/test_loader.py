@@ -47,6 +47,7 @@ def replace(name, make):
      r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \[64, 128\], the model expects \[128, 64\]"),
     (lambda tensors: tensors.__setitem__("model.layers.0.self_attn.extra.weight", torch.zeros(2)),
      r"'model\.layers\.0\.self_attn\.extra\.weight' has no place in the model"),
+    (replace("model.norm.weight", lambda t: t.to(torch.int8)), r"'model\.norm\.weight' has dtype I8"),
 ])
 def test_checkpoint_that_does_not_fit_raises_naming_the_tensor(tiny_models, tmp_path, edit, match):
     path = edited_checkpoint(tiny_models["llama"], os.fspath(tmp_path / "edited"), edit)
@@ -83,8 +84,12 @@ def test_gguf_conversion_gives_what_transformers_reads_from_the_file(tokenizer):
     cached = checkpoint_directory(gguf)
     directory, name = os.path.split(gguf)
     expected_config = AutoConfig.from_pretrained(directory, gguf_file=name)
-    where_from = {"_name_or_path": None}  # the only field that differs: the directory it was read from
-    assert load_hf_config(cached).to_dict() | where_from == expected_config.to_dict() | where_from
+    # Every field but where it was read from and use_cache (a generation setting, which the base
+    # class load_hf_config reads a conversion with leaves to generation_config; nanoengine reads neither).
+    config = load_hf_config(cached)
+    for field, value in expected_config.to_dict().items():
+        if field not in ("_name_or_path", "use_cache"):
+            assert getattr(config, field) == value, field
     expected_tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     chat = expected_tokenizer.apply_chat_template([{"role": "user", "content": "Hi there!"}], tokenize=False,
                                                   add_generation_prompt=True)
@@ -133,6 +138,22 @@ def test_a_gguf_file_is_converted_once_then_loaded_from_the_cache(gguf_file, mon
     assert checkpoint_directory(gguf_file) != first and len(calls) == 2
 
 
+def test_a_gguf_file_edited_in_its_middle_is_converted_again(tmp_path, monkeypatch):
+    """The cache key reads only the file's ends, but an edit anywhere moves its mtime."""
+    monkeypatch.setenv("XDG_CACHE_HOME", os.fspath(tmp_path / "cache"))
+    calls = []
+    monkeypatch.setattr(loader, "_convert_gguf", fake_conversion(calls))
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + bytes(3 * loader.FINGERPRINT_BYTES))
+    first = checkpoint_directory(os.fspath(path))
+    mtime = path.stat().st_mtime_ns
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        f.write(b"\x01")
+    os.utime(path, ns=(mtime + 10**9, mtime + 10**9))  # as the clock has moved on by the next write
+    assert checkpoint_directory(os.fspath(path)) != first and len(calls) == 2
+
+
 @pytest.mark.parametrize("damage", [
     lambda d: (d / "model.safetensors").write_bytes(b"weights" * 500),  # truncated
     lambda d: (d / "model.safetensors").write_bytes(b"WEIGHTS" * 1000),  # same size, other bytes
@@ -168,3 +189,12 @@ def test_concurrent_first_loads_each_get_a_whole_conversion(gguf_file, monkeypat
     assert len(set(directories)) == 1 and len(calls) == 4  # all raced; one rename won
     assert sorted(os.listdir(directories[0])) == ["config.json", "model.safetensors", loader._MANIFEST]
     assert sorted(os.listdir(os.path.dirname(directories[0]))) == [os.path.basename(directories[0])]
+
+
+def test_a_truncated_checkpoint_raises_naming_the_tensor_cut_short(tiny_models, tmp_path):
+    path = tmp_path / "truncated"
+    shutil.copytree(tiny_models["llama"], path)
+    with open(path / CHECKPOINT, "r+b") as f:
+        f.truncate(os.path.getsize(path / CHECKPOINT) - 4)
+    with pytest.raises(ValueError, match=r"checkpoint tensor '.+' is cut short"):
+        LLM(os.fspath(path), dtype="float32", device="cpu")

@@ -1,10 +1,16 @@
 """The step trace (nanoengine/trace.py) prints what the engine really holds, and its demo shows the cache at work."""
 
+import os
 import re
+import subprocess
+import sys
+
+import pytest
 
 from nanoengine import LLM
 from nanoengine.trace import DEMO_OPTIONS, demo, ranges
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW = re.compile(r"  #(\d+)\s+(\[[\d., ]*\])\s+(\[[\d, ]*\])\s+(\[[\d., ]*\])\s")
 REFS = re.compile(r"in use \(id:refs\) ([\d: ]+?)\s{2,}")
 
@@ -64,3 +70,14 @@ def test_demo_readmits_a_preempted_sequence_with_its_own_blocks_from_the_prefix_
     admissions = [line for line in lines if f"admitted  #{third} " in line]
     first, *again = (int(re.search(r"(\d+) from the prefix cache", a)[1]) for a in admissions)
     assert again and max(again) > first
+
+
+def test_bench_timeline_writes_a_png_of_the_run(tiny_models, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "timeline.png"
+    cmd = [sys.executable, "bench.py", "--model", tiny_models["llama"], "--num-seqs", "6", "--min-input-len", "8",
+           "--max-input-len", "24", "--min-output-len", "4", "--max-output-len", "12", "--dtype", "float32",
+           "--device", "cpu", "--num-kvcache-blocks", "6", "--timeline", str(png)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

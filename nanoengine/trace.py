@@ -122,12 +122,12 @@ class StepObserver:
         else:
             per_seq, context_lens = [[s] for s in slots], ctx.context_lens.tolist()
             last = "context len"
-        self.write(f"  {'seq':<5}{'positions':<14}{'block table':<30}{'slot mapping':<22}{last}")
+        self.write(f"  {'seq':<5} {'positions':<13} {'block table':<29} {'slot mapping':<21} {last}")
         for i, (seq, seq_slots) in enumerate(zip(seqs, per_seq)):
             start = seq.num_computed_tokens
             positions = ranges(list(range(start, start + seq.num_scheduled_tokens)))
             keys = (f"0..{start + seq.num_scheduled_tokens - 1}" if ctx.is_prefill else context_lens[i])
-            self.write(f"  #{seq.seq_id:<4}{positions:<14}{str(seq.block_table):<30}{ranges(seq_slots):<22}{keys}")
+            self.write(f"  #{seq.seq_id:<4} {positions:<13} {str(seq.block_table):<29} {ranges(seq_slots):<21} {keys}")
         if ctx.is_prefill:
             self.write(f"  cu_seqlens_q {ctx.cu_seqlens_q.tolist()}   cu_seqlens_k {ctx.cu_seqlens_k.tolist()}")
         in_use = " ".join(f"{b.block_id}:{b.ref_count}" for b in bm.blocks if b.ref_count)

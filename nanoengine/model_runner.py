@@ -168,11 +168,11 @@ class ModelRunner:
         load_weights(self.model, model_path)
         if config.quantization is not None:
             quantize_linears(self.model, config.quantization)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not config.learner_mode:
             use_cpu_kernels(self.model, self.dtype)
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        backend = get_backend(self.device)
+        backend = get_backend(self.device, config.learner_mode)
         for layer in self.attention_layers:
             layer.backend = backend
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._kvcache_blocks_for_budget(config)
@@ -182,7 +182,7 @@ class ModelRunner:
         self._allocate_kvcache(self.num_kvcache_blocks)
         # Decode replays CUDA graphs captured over the cache just allocated; prefill stays eager.
         self.graph_runner = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not (config.enforce_eager or config.learner_mode):
             self.graph_runner = DecodeGraphRunner(
                 self.model, config.max_num_seqs, -(-config.max_model_len // self.block_size), hf_config.hidden_size,
                 self.device, self.dtype, use_cuda_graphs=True)
@@ -202,7 +202,7 @@ class ModelRunner:
             peak = torch.cuda.max_memory_allocated()
             # The graphs' pool holds the largest decode batch's activations: max_num_seqs tokens,
             # no more than the warm-up's num_tokens, so the warm-up's activations bound it.
-            graph_pool = 0 if config.enforce_eager else peak - weights
+            graph_pool = 0 if config.enforce_eager or config.learner_mode else peak - weights
             torch.cuda.empty_cache()  # hand the warm-up's activations back before the cache is allocated
             free, total = torch.cuda.mem_get_info()
             budget = kvcache_budget_bytes(total, free, torch.cuda.memory_reserved(), peak, graph_pool,

@@ -3,7 +3,9 @@
 They have flash-attn's signatures and semantics (the subset nanoengine uses), over the same paged
 KV cache. Every attention kernel is tested against them (flash-attn on CUDA, the C++ kernels of
 cpu_kernels.py on CPU), and the CPU runs them when its kernels cannot be built or do not cover a
-case.
+case. Decode has two: ``flash_attn_with_kvcache_torch`` is tuned, because it doubles as that
+fallback; ``flash_attn_with_kvcache_plain`` is the same contract written one sequence at a time,
+for reading, and is what learner mode runs (``LLM(learner_mode=True)``).
 """
 
 import torch
@@ -86,3 +88,32 @@ def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_tabl
     out = out.view(batch, num_kv_heads, seqlen_q, group, head_dim).transpose(1, 2)
     out = out.reshape(batch, seqlen_q, num_heads, head_dim)
     return out.masked_fill((cache_seqlens == 0)[:, None, None, None], 0)  # flash-attn: empty rows give 0
+
+
+def flash_attn_with_kvcache_plain(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,
+                                  causal=False):
+    """``flash_attn_with_kvcache`` one sequence at a time, as the math reads; same contract as the
+    tuned version above (tested against it), many times slower on a large batch.
+
+    Sequence b's keys and values are the first ``cache_seqlens[b]`` slots of its blocks, taken in
+    block-table order; its ``seqlen_q`` queries are its newest positions.
+    """
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    scale = softmax_scale or head_dim ** -0.5
+    out = torch.zeros_like(q)  # a row of length 0 (a padded batch row) stays zero, as in flash-attn
+    for b in range(batch):
+        n = int(cache_seqlens[b])
+        if n == 0:
+            continue
+        blocks = block_table[b, :(n + block_size - 1) // block_size].long()
+        k = k_cache[blocks].flatten(0, 1)[:n].float()  # [n, Hk, D]: blocks laid end to end, cut at n
+        v = v_cache[blocks].flatten(0, 1)[:n].float()
+        # Grouped-query attention: each kv head serves num_heads // num_kv_heads query heads.
+        k, v = (t.repeat_interleave(num_heads // num_kv_heads, dim=1) for t in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q[b].float(), k) * scale  # [H, seqlen_q, n]
+        if causal:  # query j sits at position n - seqlen_q + j and sees the keys up to it
+            query_pos = torch.arange(n - seqlen_q, n, device=q.device)
+            scores.masked_fill_(torch.arange(n, device=q.device) > query_pos[:, None], float("-inf"))
+        out[b] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out

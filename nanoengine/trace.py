@@ -1,0 +1,158 @@
+"""Watch the engine work: per step, what the scheduler decided and why, and what the model runner built.
+
+``StepObserver`` wraps three methods of one engine's instances (``Scheduler.schedule`` and
+``Scheduler.postprocess``, and the model runner's ``prepare_prefill``/``prepare_decode``) and reads
+their state around each call; the engine's own code is unchanged, and an engine that is not
+observed pays nothing. It keeps one small record per step (``records``: the numbers
+``bench.py --timeline`` plots) and, with ``write``, prints each step as a block of aligned text:
+the sequences admitted, preempted and finished, each sequence's block table and slot mapping,
+``cu_seqlens`` or context lengths, the blocks' reference counts, which blocks carry a prefix hash,
+the free list's head, and the tokens sampled, as text. ``demo`` is the scenario of
+``python example.py --trace`` and docs/walkthrough.md.
+"""
+
+from typing import Callable
+
+from nanoengine.context import Context
+from nanoengine.llm import LLM
+from nanoengine.sampling_params import SamplingParams
+from nanoengine.sequence import Sequence, SequenceStatus
+
+# The demo: a KV cache of 8 blocks of 8 tokens, small enough that the third request is preempted.
+DEMO_OPTIONS = dict(dtype="float32", device="cpu", kvcache_block_size=8, num_kvcache_blocks=8)
+DEMO_SYSTEM = "You are a concise assistant. Answer in one sentence."
+DEMO_QUESTIONS = ["What is the capital of France?", "What is the capital of Italy?", "Name a primary color."]
+
+
+def ranges(values: list[int]) -> str:
+    """``[0..9, 12, 13]``: runs of consecutive integers folded, the way slot mappings usually look."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][-1] + 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return "[" + ", ".join(f"{r[0]}..{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs) + "]"
+
+
+class StepObserver:
+    def __init__(self, engine, write: Callable[[str], None] | None = None):
+        self.engine, self.write = engine, write
+        self.records: list[dict] = []
+        self.ctx: Context | None = None
+        scheduler, runner = engine.scheduler, engine.model_runner
+        self._schedule, self._postprocess = scheduler.schedule, scheduler.postprocess
+        scheduler.schedule, scheduler.postprocess = self._observe_schedule, self._observe_postprocess
+        if write is not None:  # the text needs the step's tensors; the records do not
+            for name in ("prepare_prefill", "prepare_decode"):
+                setattr(runner, name, self._capture(getattr(runner, name)))
+
+    def _capture(self, prepare: Callable) -> Callable:
+        def prepare_and_keep(seqs: list[Sequence]):
+            input_ids, positions, self.ctx = prepare(seqs)
+            return input_ids, positions, self.ctx
+        return prepare_and_keep
+
+    def _observe_schedule(self) -> list[Sequence]:
+        scheduler = self.engine.scheduler
+        was_running, was_waiting = list(scheduler.running), list(scheduler.waiting)
+        preemptions, hits = scheduler.num_preemptions, scheduler.prefix_cache_hit_tokens
+        why = self._why(scheduler, was_waiting)
+        seqs = self._schedule()
+        admitted = [seq for seq in seqs if seq in was_waiting]
+        self.records.append({
+            "step": len(self.records) + 1,
+            "prefill_tokens": sum(seq.num_scheduled_tokens for seq in seqs if not seq.is_decode),
+            "decode_seqs": sum(seq.is_decode for seq in seqs),
+            "kv_blocks_used": self.engine.block_manager.num_used_blocks,
+            "num_kv_blocks": len(self.engine.block_manager.blocks),
+            "preemptions": scheduler.num_preemptions - preemptions,
+            "prefix_hit_tokens": scheduler.prefix_cache_hit_tokens - hits,
+        })
+        if self.write is not None:
+            preempted = [seq for seq in was_running if seq.status == SequenceStatus.WAITING]
+            self._header(seqs, why, admitted, preempted)
+        return seqs
+
+    def _why(self, scheduler, waiting: list[Sequence]) -> str:
+        """The rule that decides this step, read before the scheduler applies it."""
+        if scheduler.enable_chunked_prefill:
+            return "chunked prefill: running sequences first, then waiting prompts fill the token budget"
+        if not waiting:
+            return "prefill-first, and nothing is waiting: every running sequence decodes one token"
+        head = waiting[0]
+        if len(scheduler.running) < scheduler.max_num_seqs and self.engine.block_manager.can_allocate(head):
+            return "prefill-first: waiting prompts are admitted before anyone decodes"
+        return (f"prefill-first, but #{head.seq_id} ({head.num_tokens} tokens) does not fit in "
+                f"{self.engine.block_manager.num_free_blocks} free blocks: the running sequences decode")
+
+    def _header(self, seqs, why, admitted, preempted) -> None:
+        phase = "decode" if all(seq.is_decode for seq in seqs) else "prefill"
+        self.write(f"step {len(self.records):<3} {phase:<8} {why}")
+        bs = self.engine.block_manager.block_size
+        for seq in admitted:
+            cached = seq.num_cached_tokens
+            hit = f": prefix hit, blocks {seq.block_table[:cached // bs]}" if cached else ""
+            self.write(f"         admitted  #{seq.seq_id} ({seq.num_tokens} tokens, {cached} from the prefix cache{hit})")
+        for seq in preempted:
+            self.write(f"         preempted #{seq.seq_id}: a running sequence needed a block and none was free; "
+                       f"the newest gives its blocks back and waits to be recomputed ({seq.num_tokens} tokens)")
+
+    def _observe_postprocess(self, seqs: list[Sequence], token_ids, *args) -> list[Sequence]:
+        if self.write is not None:
+            self._body(seqs)  # before postprocess: the step's own positions and block tables
+        stepped = self._postprocess(seqs, token_ids, *args)
+        if self.write is not None:
+            words = "  ".join(f"#{seq.seq_id} {self.engine.tokenizer.decode(seq.token_ids[-1:])!r}" for seq in stepped)
+            self.write(f"  sampled   {words or '(nothing: only prompt chunks ran)'}")
+            for seq in seqs:
+                if seq.is_finished:
+                    self.write(f"  finished  #{seq.seq_id} ({seq.finish_reason}): "
+                               f"{seq.detokenizer.text.strip()!r}; its blocks are freed, their hashes kept")
+            self.write("")
+        return stepped
+
+    def _body(self, seqs: list[Sequence]) -> None:
+        ctx, bm = self.ctx, self.engine.block_manager
+        slots = ctx.slot_mapping.tolist()
+        if ctx.is_prefill:
+            cu_q = ctx.cu_seqlens_q.tolist()
+            per_seq = [slots[a:b] for a, b in zip(cu_q, cu_q[1:])]
+            last = "keys"
+        else:
+            per_seq, context_lens = [[s] for s in slots], ctx.context_lens.tolist()
+            last = "context len"
+        self.write(f"  {'seq':<5} {'positions':<13} {'block table':<29} {'slot mapping':<21} {last}")
+        for i, (seq, seq_slots) in enumerate(zip(seqs, per_seq)):
+            start = seq.num_computed_tokens
+            positions = ranges(list(range(start, start + seq.num_scheduled_tokens)))
+            keys = (f"0..{start + seq.num_scheduled_tokens - 1}" if ctx.is_prefill else context_lens[i])
+            self.write(f"  #{seq.seq_id:<4} {positions:<13} {str(seq.block_table):<29} {ranges(seq_slots):<21} {keys}")
+        if ctx.is_prefill:
+            self.write(f"  cu_seqlens_q {ctx.cu_seqlens_q.tolist()}   cu_seqlens_k {ctx.cu_seqlens_k.tolist()}")
+        in_use = " ".join(f"{b.block_id}:{b.ref_count}" for b in bm.blocks if b.ref_count)
+        hashed = [b.block_id for b in bm.blocks if b.hash != -1]
+        free = list(bm.free_block_ids)
+        head = str(free[:6])[:-1] + (", ...]" if len(free) > 6 else "]")
+        self.write(f"  blocks    in use (id:refs) {in_use}   hashed {hashed}")
+        self.write(f"            free {len(free)}/{len(bm.blocks)}, free list head {head}")
+
+
+def demo(llm: LLM, write: Callable[[str], None] = print, max_tokens: int = 24) -> StepObserver:
+    """Two chat requests that share a system prompt, a third that arrives after the first step, greedy.
+
+    Run on ``LLM(**DEMO_OPTIONS)``; its 8 blocks of 8 tokens force one preemption.
+    """
+    observer = StepObserver(llm, write)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    prompts = [llm.chat_prompt([{"role": "system", "content": DEMO_SYSTEM}, {"role": "user", "content": q}])
+               for q in DEMO_QUESTIONS]
+    for prompt in prompts[:2]:
+        llm.add_request(prompt, params)
+    steps = 0
+    while llm.has_unfinished_requests() or steps < 1:
+        if steps == 1:
+            llm.add_request(prompts[2], params)
+        llm.step()
+        steps += 1
+    return observer

@@ -241,7 +241,9 @@ ENGINE_OPTIONS = {
     "--quantization": dict(choices=["int8", "int4"], help="weight-only quantization (default: none)"),
     "--enforce-eager": dict(action="store_true", default=None, help="no CUDA graphs: decode runs eagerly"),
     "--enable-prefix-caching": dict(action=argparse.BooleanOptionalAction, help="on unless --no-enable-prefix-caching"),
-    "--enable-chunked-prefill": dict(action=argparse.BooleanOptionalAction, help="mix decodes and prompt chunks"),
+    # On by default in the server (off offline): a burst of prompts must not freeze running streams.
+    "--enable-chunked-prefill": dict(action=argparse.BooleanOptionalAction, default=True,
+                                     help="mix decodes and prompt chunks (default: on)"),
     "--tensor-parallel-size": dict(type=int, help="ranks to split the model over (default: 1)"),
 }
 

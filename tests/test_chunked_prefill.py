@@ -76,3 +76,15 @@ def test_chunked_prefill_serves_a_prompt_longer_than_the_step_budget(tiny_models
     reference = LLM(tiny_models["qwen2"], **common)
     assert (chunked.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"]
             == reference.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"])
+
+
+def test_chunked_prefill_defaults_to_a_small_step_budget_on_cpu_and_is_the_servers_default():
+    from nanoengine.config import Config
+    from nanoengine.serve import engine_options, make_parser
+    chunked, first = Config(enable_chunked_prefill=True, device="cpu"), Config(device="cpu")
+    for config in (chunked, first):
+        config.resolve_limits(2048)
+        config.fit_to_kvcache(1000, 16)
+    assert chunked.max_num_batched_tokens == 256 and first.max_num_batched_tokens == 8192
+    assert engine_options(make_parser().parse_args([]))["enable_chunked_prefill"] is True
+    assert engine_options(make_parser().parse_args(["--no-enable-chunked-prefill"]))["enable_chunked_prefill"] is False

@@ -264,7 +264,7 @@ def test_metrics_parse_and_move_with_requests(server):
     assert moved["prefix_cache_hits_total"] >= 32 and moved["num_preemptions_total"] == 0
 
 
-def test_every_engine_flag_is_an_llm_keyword_and_unset_ones_keep_the_defaults():
+def test_every_engine_flag_is_an_llm_keyword_and_unset_ones_keep_the_defaults_but_chunked_prefill():
     from dataclasses import fields
 
     from nanoengine.config import Config
@@ -272,7 +272,7 @@ def test_every_engine_flag_is_an_llm_keyword_and_unset_ones_keep_the_defaults():
     keywords = {f.name for f in fields(Config) if f.init}
     assert {flag.removeprefix("--").replace("-", "_") for flag in ENGINE_OPTIONS} <= keywords
     parser = make_parser()
-    assert engine_options(parser.parse_args([])) == {}
+    assert engine_options(parser.parse_args([])) == {"enable_chunked_prefill": True}  # the server's own default
     args = parser.parse_args(["--max-num-batched-tokens", "4096", "--kvcache-block-size", "32", "--enforce-eager",
                               "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching", "--device", "cpu"])
     config = Config.from_kwargs(None, engine_options(args))

@@ -117,6 +117,7 @@ class PackedLinear(Linear):
         shard, offset = self.shards[shard_id], self.shard_offsets[shard_id]
         rows = min(shard.size, shard.total - shard.start)  # without the padding
         param = getattr(self, param_name).data
+        param[offset + rows:offset + shard.size].zero_()  # nothing loads the padding: zero, not garbage
         return (shard.total, *param.shape[1:]), (slice(shard.start, shard.start + rows),), param[offset:offset + rows]
 
 
@@ -150,6 +151,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def checkpoint_part(self, param_name: str, shard_id: None) -> CheckpointPart:
         rows = min(self.shard.size, self.shard.total - self.shard.start)
+        self.weight.data[rows:].zero_()  # nothing loads the padding: zero, not garbage (a tied LM head reads it)
         return ((self.shard.total, self.embedding_dim), (slice(self.shard.start, self.shard.start + rows),),
                 self.weight.data[:rows])
 

@@ -115,10 +115,16 @@ class LLMEngine:
             raise ValueError(f"the chat template rejected the messages: {e}") from e
         return self.tokenize(list(token_ids))
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
-        """Queue a request; returns its id. The prompt is checked before anything is queued."""
+    def check_sampling_params(self, sampling_params: SamplingParams) -> None:
+        """A ``ValueError`` for parameters this engine could never serve."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if sampling_params.n > self.config.max_num_seqs:  # a request's samples run side by side
+            raise ValueError(f"n={sampling_params.n} is more than max_num_seqs={self.config.max_num_seqs}")
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
+        """Queue a request; returns its id. The prompt is checked before anything is queued."""
+        self.check_sampling_params(sampling_params)
         seq = Sequence(self.tokenize(prompt), sampling_params, self.model_runner.block_size)
         seq.detokenizer = Detokenizer(self.tokenizer, sampling_params.stop)
         self.scheduler.add(seq)

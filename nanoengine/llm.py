@@ -33,8 +33,7 @@ class LLM(LLMEngine):
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
         for params in sampling_params:
-            if not isinstance(params, SamplingParams):
-                raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+            self.check_sampling_params(params)
         token_ids = [self.tokenize(p) for p in prompts]  # every prompt checked before any is queued
         request_ids = [self.add_request(t, p) for t, p in zip(token_ids, sampling_params)]
         groups = [self.requests[i].group for i in request_ids]

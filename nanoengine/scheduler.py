@@ -69,7 +69,7 @@ class Scheduler:
         prompt still being computed (whose blocks it already holds)."""
         scheduled = []
         for seq in list(self.running):
-            if budget == 0:
+            if budget == 0 or len(scheduled) == self.max_num_seqs:  # forked samples may outnumber a step
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older sequence
@@ -92,10 +92,12 @@ class Scheduler:
         All or nothing: if admitting one fails, those admitted before it in this call go back to
         the head of the waiting queue, so a failed schedule leaves the queues as they were.
         """
-        scheduled = []
+        # Seats counted in samples: a sequence's first sample forks n - 1 more running sequences.
+        scheduled, seats = [], sum(len(seq.sample_indices) for seq in self.running)
         try:
-            while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            while self.waiting and budget > 0 and seats + len(self.waiting[0].sample_indices) <= self.max_num_seqs:
                 seq = self.waiting[0]
+                seats += len(seq.sample_indices)
                 # Only tokens that will actually be computed count against the token budget.
                 num_new_tokens = seq.num_tokens - self.block_manager.num_cached_tokens(seq)
                 if num_new_tokens > budget and self.enable_chunked_prefill:

@@ -203,3 +203,19 @@ def test_chunked_prefill_forks_and_computes_prompt_logprobs_as_a_whole_prompt_do
     assert len(got[0]["prompt_logprobs"]) == len(PROMPT)
     for g, e in zip(got[0]["prompt_logprobs"][1:], expected[0]["prompt_logprobs"][1:]):
         assert g.keys() == e.keys() and all(abs(g[t] - e[t]) < 1e-4 for t in g)
+
+
+def test_samples_never_outnumber_max_num_seqs_and_an_impossible_n_is_refused(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", max_num_seqs=4, kvcache_block_size=16)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        llm.generate([PROMPT], SamplingParams(n=5), use_tqdm=False)
+    step, most = llm.step, [0]
+
+    def counting_step():
+        out = step()
+        most[0] = max(most[0], len(llm.scheduler.running))
+        return out
+    llm.step = counting_step
+    out = llm.generate([PROMPT, PROMPT[:20]], SamplingParams(n=3, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert most[0] <= 4 and all(len(o["outputs"]) == 3 for o in out)
+    assert all(len(s["token_ids"]) == 6 for o in out for s in o["outputs"])

@@ -57,8 +57,10 @@ class Scheduler:
         self.blocks_to_copy = []
         budget = self.max_num_batched_tokens
         if self.enable_chunked_prefill:
+            preemptions = self.num_preemptions
             scheduled = self._schedule_running(budget)
-            scheduled += self._schedule_waiting(budget - sum(seq.num_scheduled_tokens for seq in scheduled))
+            if self.num_preemptions == preemptions:  # else blocks ran out: admitting now would thrash
+                scheduled += self._schedule_waiting(budget - sum(seq.num_scheduled_tokens for seq in scheduled))
         else:
             scheduled = self._schedule_waiting(budget) or self._schedule_running(budget)
         assert scheduled, "nothing could be scheduled: the KV cache is smaller than one sequence"

@@ -8,7 +8,7 @@ particular, no block whose K/V the failed step never wrote may be served from th
 
 import _thread
 import random
-import threading
+import signal
 import time
 
 import pytest
@@ -109,31 +109,34 @@ def test_step_with_nothing_to_do_returns_an_empty_list(tiny_models):
 
 
 def test_ctrl_c_at_random_moments_of_generate_leaves_no_trace(tiny_models, expected):
+    """Ctrl-C, simulated by an interval timer whose SIGALRM handler interrupts the main thread (the
+    kernel delivers it to the main thread itself: no helper thread has to win the GIL in time)."""
     llm = make_llm(tiny_models["llama"])
     long_prompts = [PREFIX * 2 + [60 + i] for i in range(8)] + PROMPTS
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    durations = []
-    for _ in range(2):  # the first run also warms up; the faster one bounds the delays
-        start = time.perf_counter()
-        llm.generate(long_prompts, params, use_tqdm=False)
-        durations.append(time.perf_counter() - start)
+    llm.generate(long_prompts, params, use_tqdm=False)  # warm-up
+    bound = float("inf")
     rng = random.Random(0)
     interrupted = tries = 0
-    while interrupted < 8 and tries < 40:  # a timer that fires after generate returns does not count
-        tries += 1
-        timer = threading.Timer(rng.uniform(0, min(durations)), _thread.interrupt_main)
-        timer.start()
-        try:
-            llm.generate(long_prompts, params, use_tqdm=False)
-            timer.cancel()
-            timer.join()
-            for _ in range(1000):  # an interrupt already on its way lands here, not after the try
-                pass
-        except KeyboardInterrupt:
-            interrupted += 1
-        timer.join()
-        assert llm.stats()["kvcache_blocks_in_use"] == 0 and not llm.has_unfinished_requests()
-        assert [out["token_ids"] for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: _thread.interrupt_main())
+    try:
+        while interrupted < 8 and tries < 60:  # an alarm after generate returns does not count
+            tries += 1
+            start = time.perf_counter()
+            signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-4, min(bound, 10.0)))
+            try:
+                llm.generate(long_prompts, params, use_tqdm=False)
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                for _ in range(1000):  # an interrupt already on its way lands here, not after the try
+                    pass
+                bound = min(bound, time.perf_counter() - start)  # delays stay within one generate
+            except KeyboardInterrupt:
+                interrupted += 1
+            assert llm.stats()["kvcache_blocks_in_use"] == 0 and not llm.has_unfinished_requests()
+            assert [out["token_ids"] for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
     assert interrupted == 8
 
 

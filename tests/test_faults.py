@@ -119,6 +119,9 @@ def test_ctrl_c_at_random_moments_of_generate_leaves_no_trace(tiny_models, expec
     rng = random.Random(0)
     interrupted = tries = 0
     previous = signal.signal(signal.SIGALRM, lambda signum, frame: _thread.interrupt_main())
+    # A process started in the background by a shell without job control ignores SIGINT, and then
+    # interrupt_main does nothing: give the test Python's own Ctrl-C handler.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while interrupted < 8 and tries < 60:  # an alarm after generate returns does not count
             tries += 1
@@ -137,6 +140,7 @@ def test_ctrl_c_at_random_moments_of_generate_leaves_no_trace(tiny_models, expec
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     assert interrupted == 8
 
 

@@ -64,8 +64,8 @@ class Config:
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
         if self.quantization is not None and self.torch_device.type == "cuda":
-            raise ValueError(f"quantization={self.quantization!r} runs on CPU only (torch's weight-only ops "
-                             "used here are CPU ops); pass device='cpu' or leave quantization unset")
+            raise ValueError(f"quantization={self.quantization!r} runs on CPU only (its matmul is a C++ CPU "
+                             "kernel); pass device='cpu' or leave quantization unset")
         if self.torch_device.type == "cuda" and self.dtype == "float32":
             raise ValueError("dtype='float32' cannot run on CUDA: flash-attn takes float16 or bfloat16")
 

@@ -4,8 +4,9 @@ On CUDA, attention is flash-attn. On CPU, pure torch has no way to read the page
 for decode (the gather it needs instead roughly triples the step's memory traffic), torch's SDPA
 is slow at prefill's short prompts (cpu_attention.cpp), the decoder's element-wise ops cost
 more to launch than to compute at decode batch sizes (cpu_layers.cpp), and torch's bf16 matmul
-reads a decode step's weights slower than memory allows (cpu_linear.cpp). cpu_library.py builds
-and loads them.
+reads a decode step's weights slower than memory allows (cpu_linear.cpp), and nothing in torch
+reads quantized weights at the speed their bytes allow (cpu_quantized_linear.cpp). cpu_library.py
+builds and loads them.
 
 C++ trusts every pointer and size it is handed, so every argument is checked before the work,
 where it is cheapest to check: metadata (device, dtype, shape, strides) here, as it is a few
@@ -20,6 +21,7 @@ a torch fallback runs instead, the same ranges are checked here, off the hot pat
 import torch
 import torch.nn.functional as F
 
+from nanoengine import quantization
 from nanoengine.cpu_library import load
 from nanoengine.store_kvcache import store_kvcache_torch
 from nanoengine.torch_attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
@@ -294,4 +296,36 @@ def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | No
     load("cpu_linear.cpp").linear_bfloat16(
         rows.data_ptr(), rows.stride(0), packed_weight.data_ptr(), bias.data_ptr() if bias is not None else None,
         out.data_ptr(), rows.shape[0], out_features, in_features, torch.get_num_threads())
+    return out.view(*x.shape[:-1], out_features)
+
+
+def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None,
+                     out_features: int) -> torch.Tensor:
+    """``Linear.forward`` over a weight from ``quantization.quantize_weight`` (int4 if ``scales`` is
+    None, else int8), by cpu_quantized_linear.cpp; where that cannot be built, by dequantizing."""
+    _check("x", x, _FLOATS, (None,) * max(x.dim(), 1))
+    in_features, groups = x.shape[-1], x.shape[-1] // quantization.GROUP_SIZE
+    tiles = out_features // quantization.TILE
+    if scales is None:
+        _check("qweight", qweight, (torch.uint8,), (tiles, groups, 80))
+    else:
+        _check("qweight", qweight, (torch.int8,), (tiles, groups, quantization.TILE, quantization.GROUP_SIZE))
+        _check("scales", scales, (torch.float32,), (out_features,))
+    if not quantization.can_quantize(out_features, in_features) or not qweight.is_contiguous():
+        raise ValueError(f"a quantized [{out_features}, {in_features}] weight must be contiguous, in whole "
+                         f"tiles of {quantization.TILE} rows and groups of {quantization.GROUP_SIZE} (as "
+                         "quantization.quantize_weight makes it)")
+    if bias is not None:
+        _check("bias", bias, (x.dtype,), (out_features,))
+    library = load("cpu_quantized_linear.cpp")
+    if library is None:
+        return F.linear(x, quantization.dequantize_packed(qweight, scales).to(x.dtype), bias)
+    rows = x.reshape(-1, in_features)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    scales, bias = (t.contiguous() if t is not None else None for t in (scales, bias))  # they outlive the call
+    out = x.new_empty(rows.shape[0], out_features)
+    getattr(library, f"quantized_linear_{DTYPES[x.dtype]}")(
+        rows.data_ptr(), rows.stride(0), qweight.data_ptr(), scales.data_ptr() if scales is not None else None,
+        bias.data_ptr() if bias is not None else None, out.data_ptr(), rows.shape[0], out_features, in_features,
+        torch.get_num_threads())
     return out.view(*x.shape[:-1], out_features)

@@ -44,6 +44,8 @@ SIGNATURES = {  # each file's extern "C" functions and their argument types
     "cpu_layers.cpp": {f"{name}_{dtype}": args for name, args in _LAYERS_SIGNATURES.items()
                        for dtype in ("bfloat16", "float32")},
     "cpu_linear.cpp": {"linear_bfloat16": [_P, _I64, _P, _P, _P, _I, _I, _I, _I]},
+    "cpu_quantized_linear.cpp": {f"quantized_linear_{dtype}": [_P, _I64, _P, _P, _P, _P, _I, _I, _I, _I]
+                                 for dtype in ("bfloat16", "float32")},
 }
 
 

@@ -77,9 +77,10 @@ class Linear(nn.Linear):
         self.kernel = cpu_kernels.linear
 
     def quantize(self, fmt: str) -> None:
-        """From now on compute with quantization.linear over ``qweight`` and ``scales``, the weight
-        in ``fmt`` ("int8" or "int4"). Like ``use_cpu_kernel``, the quantized copy replaces the
-        weight as buffers; a tied lm_head gets its own copy and the embedding keeps the original."""
+        """From now on compute with cpu_kernels.quantized_linear over ``qweight`` and ``scales``, the
+        weight in ``fmt`` ("int8" or "int4"; int4's scales are inside qweight). Like
+        ``use_cpu_kernel``, the quantized copy replaces the weight as buffers; a tied lm_head gets its
+        own copy and the embedding keeps the original."""
         qweight, scales = quantization.quantize_weight(self.weight.detach(), fmt)
         self.register_parameter("weight", None)
         self.register_buffer("qweight", qweight)
@@ -91,7 +92,7 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized:
-            return quantization.linear(x, self.qweight, self.scales, bias)
+            return cpu_kernels.quantized_linear(x, self.qweight, self.scales, bias, self.out_features)
         if self.kernel is None:
             return F.linear(x, self.weight, bias)
         return self.kernel(x, self.packed_weight, bias, self.out_features)

@@ -1,21 +1,23 @@
-"""Weight-only quantization: the formats, their round trips, and the matmul over each.
+"""Weight-only quantization: the formats, their round trips, and the layouts the kernel reads.
 
 A decode step at batch 1 reads every weight once per token, so its speed is set by the bytes of
-weight it streams (gpt-fast's lesson). Storing weights in 8 or 4 bits cuts those bytes; the
-activations stay in the model's dtype and each weight is widened as it is read.
+weight it streams (gpt-fast's lesson). Storing weights in 8 or 4 bits cuts those bytes.
 
 - ``int8``: one scale per output channel (row), symmetric: w ~ q * scale, q in [-127, 127].
 - ``int4``: groups of ``GROUP_SIZE`` along the input dimension, each with a scale and a minimum
-  (GGUF's Q4_1): w ~ q * scale + min, q in [0, 15].
+  (GGUF's Q4_1), both float16: w ~ q * scale + min, q in [0, 15]. 0.625 bytes per weight.
 
-The matmuls are torch's own CPU ops (``torch._weight_int8pack_mm``, gpt-fast's int8 path, and
-``aten._weight_int4pack_mm_for_cpu``); ``layers.Linear.quantize`` switches a layer over to them.
+The matmul over them is cpu_quantized_linear.cpp (through ``cpu_kernels.quantized_linear``),
+which needs the weight in its own layout: ``pack_int8`` and ``pack_int4`` make it,
+``dequantize_packed`` reads it back (the fallback where the kernel cannot be built).
+torch's own weight-only CPU ops were measured against it and lost at every batch size (README).
 """
 
 import torch
 
 FORMATS = ("int8", "int4")
-GROUP_SIZE = 32  # int4: input-dimension weights sharing one scale and minimum, as in GGUF's Q4_1
+GROUP_SIZE = 32  # weights sharing a scale (int4), and the kernel's block of x values (both)
+TILE = 4  # rows the kernel computes together, stored side by side
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,14 +33,17 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w ``[out, in]`` as ``q`` (uint8 values 0..15, same shape) and float32 ``scales`` and
-    ``mins`` ``[out, in / GROUP_SIZE]``: each group's range split into 15 steps, so every weight
-    is off by at most half a step (scale / 2)."""
+    """w ``[out, in]`` as ``q`` (uint8 values 0..15, same shape) and ``scales`` and ``mins``
+    ``[out, in / GROUP_SIZE]``, float32 values that float16 holds exactly: each group's range
+    split into 15 steps, so every weight is off by at most half a step (scale / 2), plus float16's
+    rounding of the minimum."""
     out_features, in_features = w.shape
     groups = w.float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
     mins, maxs = groups.amin(dim=-1), groups.amax(dim=-1)
-    scales = (maxs - mins).clamp(min=1e-12) / 15
-    q = torch.round((groups - mins[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    scales = ((maxs - mins) / 15).half().float()
+    mins = mins.half().float()
+    safe = torch.where(scales > 0, scales, 1.0)  # a constant group is all minimum
+    q = torch.round((groups - mins[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
     return q.reshape(out_features, in_features), scales, mins
 
 
@@ -48,42 +53,59 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -
     return (groups * scales[..., None] + mins[..., None]).reshape(out_features, in_features)
 
 
-def can_quantize(out_features: int, in_features: int, fmt: str) -> bool:
-    """Whether torch's op for ``fmt`` takes a weight of this shape: int4 packs 16 rows at a time;
-    the int8 op in bf16 crashes (torch 2.13, 64+ rows) unless in_features is a multiple of 8."""
-    if fmt == "int8":
-        return in_features % 8 == 0
-    return in_features % GROUP_SIZE == 0 and out_features % 16 == 0
+def can_quantize(out_features: int, in_features: int) -> bool:
+    """Whether the kernel takes a weight of this shape: whole tiles of rows, whole groups along a row."""
+    return out_features % TILE == 0 and in_features % GROUP_SIZE == 0
 
 
-def quantize_weight(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(qweight, scales)`` in the layout ``linear`` reads, scales in w's dtype (the ops want
-    them in the activations' dtype).
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    """``[out, in / GROUP_SIZE, ...]`` as ``[out / TILE, in / GROUP_SIZE, TILE, ...]``: a tile's
+    groups one after another, each with its TILE rows side by side."""
+    return t.reshape(-1, TILE, *t.shape[1:]).transpose(1, 2)
 
-    int8: q ``[out, in]`` and ``scales [out]``. int4: q packed two to a byte by torch's
-    ``_convert_weight_to_int4pack_for_cpu``, and ``scales`` ``[in / GROUP_SIZE, out, 2]``, each
-    group's scale and "zero" as the op defines them: w = (q - 8) * scale + zero, so zero is
-    min + 8 * scale.
-    """
-    if not can_quantize(*w.shape, fmt):
-        raise ValueError(f"a {tuple(w.shape)} weight cannot be quantized to {fmt} (see can_quantize)")
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """q ``[out, in]`` as int8 ``[out / 4, in / 32, 4, 32]``."""
+    out_features, in_features = q.shape
+    return _tiles(q.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)).contiguous()
+
+
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """q, scales, mins from ``quantize_int4`` as uint8 ``[out / 4, in / 32, 80]``: per group, the
+    tile's 4 rows of 16 bytes (byte i holds value i in its low nibble and value 16 + i in its
+    high one), then their 4 float16 scales and 4 float16 mins."""
+    out_features, in_features = q.shape
+    groups = q.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    nibbles = groups[..., :16] | (groups[..., 16:] << 4)
+    as_bytes = [_tiles(nibbles).flatten(2)] + [_tiles(t.half()).contiguous().view(torch.uint8) for t in (scales, mins)]
+    return torch.cat(as_bytes, dim=-1).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pack_int4``'s inverse."""
+    tiles, groups, _ = packed.shape
+    nibbles = packed[..., :64].reshape(tiles, groups, TILE, 16).transpose(1, 2).reshape(tiles * TILE, groups, 16)
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(tiles * TILE, groups * GROUP_SIZE)
+    scales, mins = (packed[..., i:i + 8].contiguous().view(torch.float16).transpose(1, 2).reshape(tiles * TILE, groups)
+                    for i in (64, 72))
+    return q, scales.float(), mins.float()
+
+
+def quantize_weight(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(qweight, scales)`` in the kernel's layout: int8's packed q and per-row scales, or int4's
+    packed groups (their scales inside) and None."""
+    if not can_quantize(*w.shape):
+        raise ValueError(f"a {tuple(w.shape)} weight cannot be quantized (see can_quantize)")
     if fmt == "int8":
         q, scales = quantize_int8(w)
-        return q, scales.to(w.dtype)
-    q, scales, mins = quantize_int4(w)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    scales_and_zeros = torch.stack([scales, mins + 8 * scales], dim=-1).transpose(0, 1).contiguous()
-    return packed, scales_and_zeros.to(w.dtype)
+        return pack_int8(q), scales
+    return pack_int4(*quantize_int4(w)), None
 
 
-def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` with W held as ``quantize_weight`` left it; the format is read from
-    qweight's dtype (int8, or the int4 ops' packed uint8). The ops take 2-D, row-contiguous x."""
-    x2d = x.reshape(-1, x.shape[-1]).contiguous()
-    if qweight.dtype == torch.int8:
-        out = torch._weight_int8pack_mm(x2d, qweight, scales)
-    else:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, qweight, GROUP_SIZE, scales)
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """The float32 ``[out, in]`` weight that ``quantize_weight``'s output stands for."""
+    if scales is None:
+        return dequantize_int4(*unpack_int4(qweight))
+    tiles, groups = qweight.shape[:2]
+    q = qweight.transpose(1, 2).reshape(tiles * TILE, groups * GROUP_SIZE)
+    return dequantize_int8(q, scales)

@@ -307,7 +307,7 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     in_features, groups = x.shape[-1], x.shape[-1] // quantization.GROUP_SIZE
     tiles = out_features // quantization.TILE
     if scales is None:
-        _check("qweight", qweight, (torch.uint8,), (tiles, groups, 80))
+        _check("qweight", qweight, (torch.uint8,), (tiles, groups, quantization.INT4_GROUP_BYTES))
     else:
         _check("qweight", qweight, (torch.int8,), (tiles, groups, quantization.TILE, quantization.GROUP_SIZE))
         _check("scales", scales, (torch.float32,), (out_features,))

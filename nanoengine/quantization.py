@@ -18,6 +18,7 @@ import torch
 FORMATS = ("int8", "int4")
 GROUP_SIZE = 32  # weights sharing a scale (int4), and the kernel's block of x values (both)
 TILE = 4  # rows the kernel computes together, stored side by side
+INT4_GROUP_BYTES = TILE * (GROUP_SIZE // 2 + 2 + 2)  # a tile's group: 4 rows of nibbles, 4 float16 scales, 4 mins
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,9 +72,9 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """q, scales, mins from ``quantize_int4`` as uint8 ``[out / 4, in / 32, 80]``: per group, the
-    tile's 4 rows of 16 bytes (byte i holds value i in its low nibble and value 16 + i in its
-    high one), then their 4 float16 scales and 4 float16 mins."""
+    """q, scales, mins from ``quantize_int4`` as uint8 ``[out / 4, in / 32, INT4_GROUP_BYTES]``:
+    per group, the tile's 4 rows of 16 bytes (byte i holds value i in its low nibble and value
+    16 + i in its high one), then their 4 float16 scales and 4 float16 mins."""
     out_features, in_features = q.shape
     groups = q.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
     nibbles = groups[..., :16] | (groups[..., 16:] << 4)

@@ -164,7 +164,16 @@ class TensorParallelGroup:
         return step
 
     def send_shutdown(self) -> None:
-        """Rank 0: tell every other rank to leave its loop."""
+        """Rank 0: tell every other rank to leave its loop, then close this rank's end of the group.
+
+        A collective's tensors are released by the process group's own thread, a moment after
+        ``wait()`` has returned. Had their Python objects gone by then, that thread would need the
+        GIL to free them, and at interpreter exit (where this usually runs) Python ends such a
+        thread mid-destructor: std::terminate, a SIGABRT at exit in one torchrun run in five. So the
+        group is destroyed here, joining its threads, while ``header`` is still referenced.
+        """
         header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
         header[0] = SHUTDOWN
         self._broadcast(header)
+        self.failure = "this tensor-parallel group was shut down: create a new engine"
+        self._pg = None  # its only reference: the destructor runs, and joins the group's threads, now

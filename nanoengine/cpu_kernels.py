@@ -322,7 +322,8 @@ def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         return F.linear(x, quantization.dequantize_packed(qweight, scales).to(x.dtype), bias)
     rows = x.reshape(-1, in_features)
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    scales, bias = (t.contiguous() if t is not None else None for t in (scales, bias))  # they outlive the call
+    scales = scales.contiguous() if scales is not None else None  # kept here, they outlive the call
+    bias = bias.contiguous() if bias is not None else None
     out = x.new_empty(rows.shape[0], out_features)
     getattr(library, f"quantized_linear_{DTYPES[x.dtype]}")(
         rows.data_ptr(), rows.stride(0), qweight.data_ptr(), scales.data_ptr() if scales is not None else None,

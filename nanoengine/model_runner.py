@@ -236,7 +236,7 @@ class ModelRunner:
                       cu, cu, max(lengths), max(lengths), logits_indices=(cu[1:] - 1).long())
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        self.model.compute_logits(self.model(input_ids, positions, ctx)[cu[1:] - 1])
+        self.execute_model(input_ids, positions, ctx)
 
     # -- per-step inputs ------------------------------------------------------------------------
 

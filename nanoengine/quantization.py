@@ -65,6 +65,11 @@ def _tiles(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, TILE, *t.shape[1:]).transpose(1, 2)
 
 
+def _untiles(t: torch.Tensor) -> torch.Tensor:
+    """``_tiles``' inverse."""
+    return t.transpose(1, 2).flatten(0, 1)
+
+
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
     """q ``[out, in]`` as int8 ``[out / 4, in / 32, 4, 32]``."""
     out_features, in_features = q.shape
@@ -85,11 +90,12 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torc
 def unpack_int4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``pack_int4``'s inverse."""
     tiles, groups, _ = packed.shape
-    nibbles = packed[..., :64].reshape(tiles, groups, TILE, 16).transpose(1, 2).reshape(tiles * TILE, groups, 16)
+    q_bytes = TILE * GROUP_SIZE // 2
+    nibbles = _untiles(packed[..., :q_bytes].reshape(tiles, groups, TILE, GROUP_SIZE // 2))
     q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(tiles * TILE, groups * GROUP_SIZE)
-    scales, mins = (packed[..., i:i + 8].contiguous().view(torch.float16).transpose(1, 2).reshape(tiles * TILE, groups)
-                    for i in (64, 72))
-    return q, scales.float(), mins.float()
+    scales, mins = (_untiles(packed[..., start:start + 2 * TILE].contiguous().view(torch.float16)).float()
+                    for start in (q_bytes, q_bytes + 2 * TILE))
+    return q, scales, mins
 
 
 def quantize_weight(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -107,6 +113,4 @@ def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor | None) -> tor
     """The float32 ``[out, in]`` weight that ``quantize_weight``'s output stands for."""
     if scales is None:
         return dequantize_int4(*unpack_int4(qweight))
-    tiles, groups = qweight.shape[:2]
-    q = qweight.transpose(1, 2).reshape(tiles * TILE, groups * GROUP_SIZE)
-    return dequantize_int8(q, scales)
+    return dequantize_int8(_untiles(qweight).flatten(1), scales)

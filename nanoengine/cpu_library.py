@@ -13,7 +13,8 @@ source becomes an object file with it, and the object a shared library without i
 
 Every entry point's argument types are declared once, when its library loads, so that ctypes
 itself refuses an argument of the wrong kind rather than passing C++ whatever bits it holds; the
-kernels that take index arguments check them and return an error code, an int.
+kernels that take index arguments check them and return an error code, an int. Each is then
+wrapped in a ``Kernel``, which a CPU graph (cpu_graph.py) records calls through.
 """
 
 import ctypes
@@ -47,6 +48,22 @@ SIGNATURES = {  # each file's extern "C" functions and their argument types
     "cpu_quantized_linear.cpp": {f"quantized_linear_{dtype}": [_P, _I64, _P, _P, _P, _P, _I, _I, _I, _I]
                                  for dtype in ("bfloat16", "float32")},
 }
+
+
+class Kernel:
+    """A C++ entry point, called like the ctypes function it wraps. While a CPU graph captures
+    (cpu_graph.py), ``recording`` is its list of calls, and each call is appended to it as well."""
+
+    recording: list | None = None
+
+    def __init__(self, function: ctypes._CFuncPtr):
+        self.function = function
+        self.returns_code = function.restype is ctypes.c_int
+
+    def __call__(self, *args):
+        if Kernel.recording is not None:
+            Kernel.recording.append((functools.partial(self.function, *args), self.returns_code))
+        return self.function(*args)
 
 
 def cpu_features() -> str:
@@ -89,7 +106,7 @@ def cache_dir() -> Path:
 @functools.cache
 def load(source: str, head_dim: int | None = None) -> ctypes.CDLL | None:
     """The compiled ``source`` (a .cpp file beside this one), for ``head_dim`` if it needs one, with
-    its functions' argument types declared; None, after a warning, if it cannot be built."""
+    its functions' argument types declared, each a ``Kernel``; None, after a warning, if it cannot be built."""
     try:
         library = ctypes.CDLL(str(_build(Path(__file__).with_name(source), head_dim, cache_dir())))
     except (OSError, subprocess.CalledProcessError) as e:
@@ -101,4 +118,5 @@ def load(source: str, head_dim: int | None = None) -> ctypes.CDLL | None:
         function = getattr(library, name)
         function.argtypes = argtypes
         function.restype = ctypes.c_int if name.startswith(CHECK_INDICES) else None
+        setattr(library, name, Kernel(function))
     return library

@@ -180,12 +180,13 @@ class ModelRunner:
             blocks = torch.tensor([self.num_kvcache_blocks], device=self.device)
             self.num_kvcache_blocks = int(tp.all_reduce(blocks, torch.distributed.ReduceOp.MIN))
         self._allocate_kvcache(self.num_kvcache_blocks)
-        # Decode replays CUDA graphs captured over the cache just allocated; prefill stays eager.
+        # Decode replays graphs captured over the cache just allocated; prefill stays eager. Not on
+        # CPU with tensor parallelism: a replay would repeat gloo's collectives without their waits.
         self.graph_runner = None
-        if self.device.type == "cuda" and not (config.enforce_eager or config.learner_mode):
+        if not (config.enforce_eager or config.learner_mode) and (self.device.type == "cuda" or tp is None):
             self.graph_runner = DecodeGraphRunner(
                 self.model, config.max_num_seqs, -(-config.max_model_len // self.block_size), hf_config.hidden_size,
-                self.device, self.dtype, use_cuda_graphs=True)
+                self.device, self.dtype, use_graphs=True)
 
     def _kvcache_block_bytes(self) -> int:
         a = self.attention_layers[0]

@@ -179,6 +179,6 @@ def test_loading_the_kernels_keeps_denormals_in_python_and_numpy(tiny_models):
 
 def test_every_entry_point_has_its_argument_types_declared():
     library = cpu_library.load("cpu_layers.cpp")
-    assert library.silu_and_mul_float32.argtypes is not None
+    assert library.silu_and_mul_float32.function.argtypes is not None
     with pytest.raises(ctypes.ArgumentError):  # ctypes itself refuses a tensor where it wants a pointer
         library.silu_and_mul_float32(torch.zeros(2), None, 1, 1, 1)

@@ -1,7 +1,7 @@
 """A step that raises or is interrupted, at any point, leaves the engine as good as a fresh one.
 
 Faults are injected at each stage of a step (scheduling, input preparation, the forward at a
-layer, sampling, postprocessing), and Ctrl-C arrives at random moments of a long ``generate``.
+layer, halfway through a decode graph's replay, sampling, postprocessing), and Ctrl-C arrives at random moments of a long ``generate``.
 Afterwards no block may be in use and the same prompts must give a fresh engine's tokens: in
 particular, no block whose K/V the failed step never wrote may be served from the prefix cache.
 """
@@ -14,6 +14,7 @@ import time
 import pytest
 
 from nanoengine import LLM, SamplingParams
+from nanoengine.cpu_graph import CPUGraph
 from nanoengine.sequence import Sequence
 
 # Prompts that share a 13-token prefix (three blocks of 4), so a poisoned cache would be read.
@@ -35,13 +36,16 @@ def expected(tiny_models) -> list[list[int]]:
     return [out["token_ids"] for out in make_llm(tiny_models["llama"]).generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def raise_on_call(n: int, fn=None):
-    """A stand-in for ``fn`` that raises on its n-th call (1-based) and otherwise calls through."""
+def raise_on_call(n: int, fn=None, before=None):
+    """A stand-in for ``fn`` that raises on its n-th call (1-based), after ``before`` if given, and
+    otherwise calls through."""
     calls = [0]
 
     def wrapper(*args, **kwargs):
         calls[0] += 1
         if calls[0] == n:
+            if before is not None:
+                before(*args, **kwargs)
             raise Fault(f"injected on call {n}")
         return fn(*args, **kwargs) if fn is not None else None
     return wrapper
@@ -58,6 +62,11 @@ def inject(llm: LLM, where: str, n: int, monkeypatch) -> None:
     elif where == "forward":  # layer 0 has stored its K/V; layer 1 and later have not
         layer = runner.model.model.layers[1]
         monkeypatch.setattr(layer, "forward", raise_on_call(n, layer.forward))
+    elif where == "replay":  # a decode graph replay stops halfway: layer 0's K/V stored, layer 1's not
+        def half_replay(graph):
+            for call, _ in graph.calls[:len(graph.calls) // 2]:
+                call()
+        monkeypatch.setattr(CPUGraph, "replay", raise_on_call(n, CPUGraph.replay, before=half_replay))
     elif where == "sampling":
         monkeypatch.setattr(runner, "sampler", raise_on_call(n, runner.sampler))
     elif where == "postprocess":  # some sequences of the step are postprocessed, the rest are not
@@ -69,7 +78,7 @@ CHUNKED = dict(enable_chunked_prefill=True, max_num_batched_tokens=7)
 
 @pytest.mark.parametrize("where,n,options", [
     ("schedule", 2, {}), ("prepare_prefill", 1, {}), ("prepare_decode", 3, {}), ("forward", 1, {}),
-    ("forward", 4, {}), ("sampling", 1, {}), ("sampling", 5, {}), ("postprocess", 3, {}), ("postprocess", 9, {}),
+    ("forward", 4, {"enforce_eager": True}), ("replay", 1, {}), ("replay", 3, {}), ("sampling", 1, {}), ("sampling", 5, {}), ("postprocess", 3, {}), ("postprocess", 9, {}),
     # Chunked prefill: a step may fail after earlier chunks of its prompts were computed and cached;
     # those stay valid, the failed chunk's blocks must not be served.
     ("prepare_prefill", 2, CHUNKED), ("forward", 2, CHUNKED), ("forward", 3, CHUNKED), ("postprocess", 4, CHUNKED),

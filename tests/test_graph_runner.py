@@ -1,19 +1,22 @@
-"""The decode graph runner: padding a batch up to its bucket changes nothing a real row sees.
+"""The decode graph runner: padding a batch up to its bucket changes nothing a real row sees, and a
+replayed graph computes what the step it recorded would compute on the new inputs.
 
-On CPU the runner's "replay" is an eager forward over its static buffers, so these tests run the
-same bucketing, padding and buffer copies a GPU runs. Each step is compared against a plain eager
-forward on the same KV cache, restored in between, and the cache writes are checked slot by slot:
-the runner must write exactly the real rows' slots, even when its buffers hold stale slots from
-a larger batch before. With a GPU, the same comparison runs on real CUDA graphs, a whole
-greedy generation is checked against HF transformers, and the KV cache sizing is checked against
-gpu_memory_utilization.
+On CPU the runner records CPU graphs (cpu_graph.py), and without them runs the step eagerly over
+its static buffers, so these tests run the same bucketing, padding and buffer copies a GPU runs.
+Each step is compared against a plain eager forward on the same KV cache, restored in between,
+and the cache writes are checked slot by slot: the runner must write exactly the real rows'
+slots, even when its buffers hold stale slots from a larger batch before. With a GPU, the same
+comparison runs on real CUDA graphs, a whole greedy generation is checked against HF
+transformers, and the KV cache sizing is checked against gpu_memory_utilization.
 """
 
 import pytest
 import torch
 
+from nanoengine import cpu_kernels
+from nanoengine.cpu_graph import CPUGraph, GraphCaptureError, ReplayError
 from nanoengine.engine import LLMEngine
-from nanoengine.graph_runner import DecodeGraphRunner, decode_buckets
+from nanoengine.graph_runner import CPU_GRAPH_MAX_BATCH, DecodeGraphRunner, decode_buckets
 from nanoengine.llm import LLM
 from nanoengine.sampling_params import SamplingParams
 
@@ -67,18 +70,101 @@ def check_runner_matches_eager(engine: LLMEngine, seqs, graph_runner: DecodeGrap
         torch.testing.assert_close(graph_cache, runner.kv_cache, **tol)
 
 
-def test_runner_matches_eager_decode_and_writes_only_real_rows(tiny_models):
-    engine, seqs = decoding_engine(tiny_models["llama"], max(BATCH_SIZES), dtype="float32", device="cpu",
-                                   max_model_len=64, kvcache_block_size=4)
+@pytest.mark.parametrize("arch,quantization", [("llama", None), ("llama", "int4"), ("qwen2", "int8"),
+                                               ("qwen3", None)])
+@pytest.mark.parametrize("use_graphs", [False, True], ids=["eager", "cpu_graphs"])
+def test_runner_matches_eager_decode_and_writes_only_real_rows(tiny_models, arch, quantization, use_graphs):
+    engine, seqs = decoding_engine(tiny_models[arch], max(BATCH_SIZES), dtype="float32", device="cpu",
+                                   max_model_len=64, kvcache_block_size=4, quantization=quantization)
     runner = engine.model_runner
-    assert runner.graph_runner is None  # CPU decodes eagerly; the runner is built here by hand
     graph_runner = DecodeGraphRunner(runner.model, MAX_NUM_SEQS, 64 // 4, 64, runner.device, runner.dtype,
-                                     use_cuda_graphs=False)
+                                     use_graphs=use_graphs)
     assert graph_runner.buckets == [1, 2, 4, 8, 16, 24] and not graph_runner.graphs
     # Equal up to float32 round-off, not bit for bit: a GEMM over 16 rows may block its sums
     # differently from one over 9, and the runner's full-width block table makes attention reduce
     # over more (masked) keys. A leak from a padded row would be off by O(1), not O(1e-6).
+    # With graphs, each batch's first run records its bucket and the second replays it.
     check_runner_matches_eager(engine, seqs, graph_runner, dict(atol=1e-5, rtol=1.3e-6))
+    assert sorted(graph_runner.graphs) == ([1, 4, 8, 16, 24] if use_graphs else [])
+
+
+def test_cpu_graph_replays_kernels_and_torch_ops_on_new_inputs():
+    x = torch.randn(3, 8)
+    graph = CPUGraph()
+    with torch.inference_mode(), graph.capture():
+        hidden = cpu_kernels.silu_and_mul(x)  # a C++ kernel
+        out = (hidden * 2).add_(1)  # a new tensor (replayed through mul's out=) and an in-place op
+    assert len(graph.calls) == 3
+    x.copy_(torch.randn(3, 8))
+    graph.replay()
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up * 2 + 1)
+
+
+def test_cpu_graph_capture_refuses_what_replay_would_not_repeat():
+    x = torch.randn(4)
+    with pytest.raises(GraphCaptureError, match="item"), CPUGraph().capture():
+        x.sum().item()  # the Python using the value is not replayed
+    with pytest.raises(GraphCaptureError, match="shape from its input's values"), CPUGraph().capture():
+        x[x > 0]
+    with pytest.raises(GraphCaptureError, match="no out= form"), CPUGraph().capture():
+        x.sort()
+
+
+def test_runner_decodes_eagerly_after_a_refused_capture(tiny_models, monkeypatch):
+    engine, seqs = decoding_engine(tiny_models["llama"], max(BATCH_SIZES), dtype="float32", device="cpu",
+                                   max_model_len=64, kvcache_block_size=4)
+    runner = engine.model_runner
+    norm = runner.model.model.norm
+    forward = type(norm).forward
+    monkeypatch.setattr(type(norm), "forward", lambda self, x, residual=None: (x.sum().item(), forward(self, x, residual))[1])
+    graph_runner = DecodeGraphRunner(runner.model, MAX_NUM_SEQS, 64 // 4, 64, runner.device, runner.dtype,
+                                     use_graphs=True)
+    with pytest.warns(RuntimeWarning, match="CPU graph capture failed, so decode runs eagerly.*item"):
+        check_runner_matches_eager(engine, seqs, graph_runner, dict(atol=1e-5, rtol=1.3e-6))
+    assert not graph_runner.graphs and not graph_runner.records_cpu_graphs
+
+
+def test_replayed_kernel_that_refuses_an_index_raises_value_error(tiny_models):
+    engine, seqs = decoding_engine(tiny_models["llama"], 1, dtype="float32", device="cpu",
+                                   max_model_len=64, kvcache_block_size=4)
+    runner = engine.model_runner
+    input_ids, positions, ctx = runner.prepare_decode(seqs)
+    with torch.inference_mode():
+        expected = runner.graph_runner.run(input_ids, positions, ctx).clone()  # records bucket 1
+        block_tables = ctx.block_tables
+        ctx.block_tables = torch.full_like(block_tables, runner.num_kvcache_blocks)  # one past the cache
+        runner.graph_runner.block_tables[0] = runner.num_kvcache_blocks
+        with pytest.raises(ReplayError):
+            runner.graph_runner.graphs[1].replay()
+        with pytest.raises(ValueError, match="block_table holds values outside"):
+            runner.graph_runner.run(input_ids, positions, ctx)
+        ctx.block_tables = block_tables
+        torch.testing.assert_close(runner.graph_runner.run(input_ids, positions, ctx), expected)
+
+
+def test_cpu_graphs_stop_at_their_batch_size_cap(tiny_models):
+    engine = LLMEngine(tiny_models["llama"], max_num_seqs=CPU_GRAPH_MAX_BATCH + 8, max_model_len=64)
+    graph_runner = engine.model_runner.graph_runner
+    prompts = [[i + 1, i + 2] for i in range(CPU_GRAPH_MAX_BATCH + 8)]
+    # Decode steps of 40 sequences, then (8 done) of 32.
+    params = [SamplingParams(temperature=0, max_tokens=3 if i < 8 else 5, ignore_eos=True) for i in range(len(prompts))]
+    LLM.generate(engine, prompts, params, use_tqdm=False)
+    assert sorted(graph_runner.graphs) == [CPU_GRAPH_MAX_BATCH]  # the bucket of 40 decoded eagerly
+
+
+@pytest.mark.parametrize("arch,kwargs", [("llama", {}), ("llama", {"quantization": "int4"}),
+                                         ("qwen2", {"dtype": "bfloat16"}), ("qwen3", {})])
+def test_cpu_graphs_generate_the_same_tokens_as_eager_decode(tiny_models, arch, kwargs):
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (3, 17, 40, 5, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=12 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    outputs = {}
+    for eager in (False, True):
+        llm = LLM(tiny_models[arch], max_model_len=128, enforce_eager=eager, **kwargs)
+        outputs[eager] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert (llm.model_runner.graph_runner is None) == eager
+    assert outputs[False] == outputs[True]
 
 
 def test_failed_graph_capture_warns_and_decodes_eagerly(tiny_models, monkeypatch):
@@ -91,9 +177,10 @@ def test_failed_graph_capture_warns_and_decodes_eagerly(tiny_models, monkeypatch
     engine, seqs = decoding_engine(tiny_models["llama"], max(BATCH_SIZES), dtype="float32", device="cpu",
                                    max_model_len=64, kvcache_block_size=4)
     runner = engine.model_runner
+    graph_runner = DecodeGraphRunner(runner.model, MAX_NUM_SEQS, 64 // 4, 64, runner.device, runner.dtype,
+                                     use_graphs=False)
     with pytest.warns(RuntimeWarning, match="graph capture failed, so decode runs eagerly.*stream is capturing"):
-        graph_runner = DecodeGraphRunner(runner.model, MAX_NUM_SEQS, 64 // 4, 64, runner.device, runner.dtype,
-                                         use_cuda_graphs=True)
+        graph_runner._capture_cuda_graphs()  # what a CUDA runner calls at start-up
     assert not graph_runner.graphs
     check_runner_matches_eager(engine, seqs, graph_runner, dict(atol=1e-5, rtol=1.3e-6))
 

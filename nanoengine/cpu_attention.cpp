@@ -85,13 +85,15 @@ static int check_block_table(const int32_t* block_table, int batch, int max_bloc
   return 0;
 }
 
-// One sequence, every head, in two passes over its blocks: the scores q.k of every query head for
-// every key, a softmax per query head, then the probability-weighted sum of the values.
+// One sequence, in two passes over its blocks: the scores q.k of every query head for every key, a
+// softmax per query head, then the probability-weighted sum of the values. The heads are
+// num_kv_heads kv heads and their query heads, of the slot_size / D kv heads each cache row holds
+// (all of them, or decode's share: the caller offsets q, the caches and out to its first).
 template <typename T>
 static void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int seqlen, int block_size,
-                   int num_heads, int num_kv_heads, float scale, std::vector<float>& scores, T* out) {
+                   int num_heads, int num_kv_heads, size_t slot_size, float scale, std::vector<float>& scores,
+                   T* out) {
   const int group = num_heads / num_kv_heads;  // query heads per kv head (GQA)
-  const size_t slot_size = size_t(num_kv_heads) * D;
   std::vector<float> qf(num_heads * D), acc(num_heads * D, 0.f);
   for (int i = 0; i < num_heads * D; i++) qf[i] = to_float(q[i]);
   scores.resize(size_t(num_heads) * seqlen);
@@ -172,15 +174,14 @@ static INLINE void prefetch_chunk(const uint16_t* cache, const int32_t* blocks, 
 }
 
 static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* blocks,
-                   int seqlen, int block_size, int num_heads, int num_kv_heads, float scale,
+                   int seqlen, int block_size, int num_heads, int num_kv_heads, size_t slot_size, float scale,
                    std::vector<float>& scores, uint16_t* out) {
   constexpr int C = D / 32;  // vectors of 32 bfloat16 per head
   constexpr int MAX_HEADS = 64;
   if (num_heads > MAX_HEADS)
-    return attend<uint16_t>(q, k_cache, v_cache, blocks, seqlen, block_size, num_heads, num_kv_heads, scale,
-                            scores, out);
+    return attend<uint16_t>(q, k_cache, v_cache, blocks, seqlen, block_size, num_heads, num_kv_heads, slot_size,
+                            scale, scores, out);
   const int group = num_heads / num_kv_heads, padded = (seqlen + 15) / 16 * 16;
-  const size_t slot_size = size_t(num_kv_heads) * D;
   thread_local std::vector<uint16_t> probs_buffer;
   scores.resize(size_t(num_heads) * padded);
   probs_buffer.resize(size_t(num_heads) * padded);
@@ -258,6 +259,8 @@ static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
 
 // One task per sequence, shared out over as many OpenMP threads as torch uses (sequences differ
 // in length, hence the dynamic schedule). libgomp is the one torch loaded, so the threads are its.
+// With fewer sequences than threads (a single chat stream), one task per (sequence, kv head)
+// instead, so that every thread works: a kv head and its query heads need nothing of the others.
 template <typename T>
 static int decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
                   const int32_t* seqlens, T* out, int batch, int max_blocks, int num_blocks, int block_size,
@@ -265,17 +268,21 @@ static int decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
   if (int error = check_block_table(block_table, batch, max_blocks, num_blocks)) return error;
   for (int i = 0; i < batch; i++)
     if (seqlens[i] < 0 || seqlens[i] > int64_t(max_blocks) * block_size) return BAD_SEQLEN;
+  const int parts = batch < num_threads ? num_kv_heads : 1;
+  const int heads = num_heads / parts, kv_heads = num_kv_heads / parts;
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> scores;  // per thread, reused across its sequences
+    std::vector<float> scores;  // per thread, reused across its tasks
 #pragma omp for schedule(dynamic)
-    for (int i = 0; i < batch; i++) {
-      T* o = out + size_t(i) * num_heads * D;
+    for (int task = 0; task < batch * parts; task++) {
+      const int i = task / parts, part = task % parts;
+      T* o = out + (size_t(i) * num_heads + part * heads) * D;
       if (seqlens[i] == 0)  // a padded batch row: zeros, as flash-attn gives
-        std::fill(o, o + num_heads * D, T(0));
+        std::fill(o, o + heads * D, T(0));
       else
-        attend(q + i * q_stride, k_cache, v_cache, block_table + size_t(i) * max_blocks, seqlens[i],
-               block_size, num_heads, num_kv_heads, scale, scores, o);
+        attend(q + i * q_stride + part * heads * D, k_cache + part * kv_heads * D, v_cache + part * kv_heads * D,
+               block_table + size_t(i) * max_blocks, seqlens[i], block_size, heads, kv_heads,
+               size_t(num_kv_heads) * D, scale, scores, o);
     }
   }
   return 0;

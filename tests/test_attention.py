@@ -143,6 +143,21 @@ def test_decode_with_kvcache_matches_dense_and_zeroes_empty_rows(decode_attentio
     assert torch.equal(out[3], torch.zeros_like(out[3]))
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("lengths", [[17], [5, 0, 40]])
+@pytest.mark.parametrize("heads", GQA + [(9, 3)])
+def test_decode_with_fewer_sequences_than_threads_splits_by_kv_head(heads, lengths, dtype, tol):
+    """A single chat stream: the kernel gives each (sequence, kv head) its own task, same result."""
+    args, kwargs, expected = decode_case(lengths, heads, block_size=4, dtype=dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # more threads than sequences on any machine
+    try:
+        out = cpu_kernel(flash_attn_with_kvcache_cpu)(*args, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
 def test_decode_ignores_block_table_columns_past_each_length(decode_attention):
     """The graph runner's block table is as wide as the longest possible sequence."""
     args, kwargs, expected = decode_case(DECODE_LENGTHS, (4, 2), block_size=4, extra_columns=5)

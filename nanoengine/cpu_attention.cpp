@@ -10,8 +10,8 @@
 // Prefill (flash_attn_varlen_func) is the opposite: every key meets every later query, so its cost
 // is arithmetic, and torch's CPU SDPA reaches only 40-65 GFLOP/s at prompt lengths of 32-256.
 // Here one task per (sequence, kv head) converts that head's keys and values to float32 once and
-// then scores tiles of 16 query rows against 16 keys at a time, which keeps the scores in vector
-// registers while it sweeps the head dimension.
+// then scores tiles of query rows against a vector register's worth of keys at a time, which keeps
+// the scores in registers while it sweeps the head dimension.
 //
 // nanoengine/cpu_library.py compiles this file on first use, for one head size (HEAD_DIM), and
 // cpu_kernels.py calls it through ctypes, having checked every argument's dtype and shape; each
@@ -31,8 +31,16 @@
 #include "cpu_bfloat16.h"
 
 constexpr int D = HEAD_DIM;
-constexpr int KEYS = 16;                 // keys scored together in prefill: one vector of floats
-constexpr int LANES = std::gcd(D, 16);   // floats per vector when summing values in prefill
+// Prefill's tiles fit the vector registers: KEYS keys (one register of floats) against ROWS query
+// rows, whose ROWS registers of scores stay in registers (AVX512 has 32, AVX2 16). Wider tiles than
+// the CPU's registers are split and spilled by the compiler: AVX512's 16 x 16 made prefill 9x
+// slower on an AVX2 CPU (128 tokens, 9 heads: 3.5 against 0.38 ms a layer).
+#ifdef __AVX512F__
+constexpr int KEYS = 16, ROWS = 16;
+#else
+constexpr int KEYS = 8, ROWS = 8;
+#endif
+constexpr int LANES = std::gcd(D, KEYS);  // floats per vector when summing values in prefill
 using KeyVec = float __attribute__((vector_size(KEYS * sizeof(float))));
 using ValueVec = float __attribute__((vector_size(LANES * sizeof(float))));
 
@@ -300,7 +308,6 @@ static void prefill_head(const T* q, int64_t q_stride, const T* k_cache, const T
                          int q_start, int lq, int seqlen, int block_size, int num_heads, int num_kv_heads, float scale,
                          bool causal, int kv_head, T* out, std::vector<float>& keys, std::vector<float>& values,
                          std::vector<float>& scores) {
-  constexpr int ROWS = 16;
   const int group = num_heads / num_kv_heads;
   const int padded = (seqlen + KEYS - 1) / KEYS * KEYS;
   keys.assign(size_t(padded) * D, 0.f);  // blocks of KEYS keys, each transposed: [padded / KEYS][D][KEYS]

@@ -17,8 +17,9 @@ import torch
 
 FORMATS = ("int8", "int4")
 GROUP_SIZE = 32  # weights sharing a scale (int4), and the kernel's block of x values (both)
-TILE = 4  # rows the kernel computes together, stored side by side
-INT4_GROUP_BYTES = TILE * (GROUP_SIZE // 2 + 2 + 2)  # a tile's group: 4 rows of nibbles, 4 float16 scales, 4 mins
+TILE = 8  # rows the kernel reads together, stored side by side
+INT4_GROUP_BYTES = TILE * (GROUP_SIZE // 2 + 2 + 2)  # a tile's group: 8 rows of nibbles, 8 float16 scales, 8 mins
+INT4_LANE = 4  # int4 values of one row that the kernel multiplies in one 32-bit lane
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,19 +72,25 @@ def _untiles(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """q ``[out, in]`` as int8 ``[out / 4, in / 32, 4, 32]``."""
+    """q ``[out, in]`` as int8 ``[out / 8, in / 32, 8, 32]``."""
     out_features, in_features = q.shape
     return _tiles(q.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)).contiguous()
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """q, scales, mins from ``quantize_int4`` as uint8 ``[out / 4, in / 32, INT4_GROUP_BYTES]``:
-    per group, the tile's 4 rows of 16 bytes (byte i holds value i in its low nibble and value
-    16 + i in its high one), then their 4 float16 scales and 4 float16 mins."""
+    """q, scales, mins from ``quantize_int4`` as uint8 ``[out / 8, in / 32, INT4_GROUP_BYTES]``.
+
+    Per group: the tile's q as 8 vectors of 32 values, vector g holding values 4g .. 4g + 3 of each
+    of the 8 rows (row j at 4j .. 4j + 3), so the kernel's 32-bit lane j works on row j; packed
+    two to a byte, vector c in the low nibbles and vector c + 4 in the high ones (128 bytes). Then
+    the 8 rows' float16 scales and their 8 float16 mins.
+    """
     out_features, in_features = q.shape
-    groups = q.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
-    nibbles = groups[..., :16] | (groups[..., 16:] << 4)
-    as_bytes = [_tiles(nibbles).flatten(2)] + [_tiles(t.half()).contiguous().view(torch.uint8) for t in (scales, mins)]
+    lanes = _tiles(q.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE // INT4_LANE, INT4_LANE))
+    vectors = lanes.transpose(2, 3).flatten(3)  # [tiles, groups, 8 vectors, 8 rows x 4 values]
+    half = vectors.shape[2] // 2
+    nibbles = vectors[:, :, :half] | (vectors[:, :, half:] << 4)
+    as_bytes = [nibbles.flatten(2)] + [_tiles(t.half()).contiguous().view(torch.uint8) for t in (scales, mins)]
     return torch.cat(as_bytes, dim=-1).contiguous()
 
 
@@ -91,8 +98,10 @@ def unpack_int4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     """``pack_int4``'s inverse."""
     tiles, groups, _ = packed.shape
     q_bytes = TILE * GROUP_SIZE // 2
-    nibbles = _untiles(packed[..., :q_bytes].reshape(tiles, groups, TILE, GROUP_SIZE // 2))
-    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(tiles * TILE, groups * GROUP_SIZE)
+    nibbles = packed[..., :q_bytes].reshape(tiles, groups, -1, TILE * INT4_LANE)
+    vectors = torch.cat([nibbles & 15, nibbles >> 4], dim=2)
+    lanes = vectors.reshape(tiles, groups, -1, TILE, INT4_LANE).transpose(2, 3)  # [tiles, groups, rows, 8, 4]
+    q = _untiles(lanes.reshape(tiles, groups, TILE, GROUP_SIZE)).reshape(tiles * TILE, groups * GROUP_SIZE)
     scales, mins = (_untiles(packed[..., start:start + 2 * TILE].contiguous().view(torch.float16)).float()
                     for start in (q_bytes, q_bytes + 2 * TILE))
     return q, scales, mins

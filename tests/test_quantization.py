@@ -71,7 +71,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, fmt: str) ->
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fmt,shape", [("int8", (36, 96)), ("int4", (36, 96)), ("int8", (8, 5 * GROUP_SIZE)),
+@pytest.mark.parametrize("fmt,shape", [("int8", (40, 96)), ("int4", (40, 96)), ("int8", (8, 5 * GROUP_SIZE)),
                                        ("int4", (80, 5 * GROUP_SIZE))])
 @pytest.mark.parametrize("rows", [1, 2, 7, 300])
 @pytest.mark.parametrize("strided", [False, True])
@@ -111,7 +111,7 @@ def dequantized(w: torch.Tensor, fmt: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_packed_weight_reads_back_as_the_quantized_values(fmt):
-    w = weight(12, 3 * GROUP_SIZE)
+    w = weight(24, 3 * GROUP_SIZE)
     assert torch.equal(dequantize_packed(*quantize_weight(w, fmt)), dequantized(w, fmt))
 
 
@@ -128,11 +128,11 @@ def test_without_a_compiler_the_layer_dequantizes(fmt, monkeypatch):
 
 
 def test_quantized_linear_refuses_a_weight_not_in_its_layout():
-    qweight, _ = quantize_weight(weight(8, GROUP_SIZE), "int4")
+    qweight, _ = quantize_weight(weight(16, GROUP_SIZE), "int4")
     with pytest.raises(ValueError, match="qweight"):
-        cpu_kernels.quantized_linear(torch.randn(1, GROUP_SIZE), qweight[:1], None, None, 8)
+        cpu_kernels.quantized_linear(torch.randn(1, GROUP_SIZE), qweight[:1], None, None, 16)
     with pytest.raises(ValueError, match="x has dtype"):
-        cpu_kernels.quantized_linear(torch.randn(1, GROUP_SIZE).half(), qweight, None, None, 8)
+        cpu_kernels.quantized_linear(torch.randn(1, GROUP_SIZE).half(), qweight, None, None, 16)
     assert not can_quantize(6, GROUP_SIZE) and not can_quantize(8, GROUP_SIZE + 2)
 
 

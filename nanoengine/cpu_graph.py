@@ -64,6 +64,13 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, graph: "CPUGraph"):
         super().__init__()
         self.graph = graph
+        self.tried = set()  # ops whose out= form has been called once
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch's default wraps __torch_dispatch__ to keep torch.compile out of it, and that
+        # imports torch._dynamo at the first op: 2 s, here in a decode step. Nothing compiles here.
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -85,10 +92,12 @@ class _Recorder(TorchDispatchMode):
             self.graph.calls.append((functools.partial(aten.copy_.default, result, args[0]), False))
         elif isinstance(result, torch.Tensor) and _out_form(func) is not None:
             call = functools.partial(_out_form(func), *args, **kwargs, out=result)
-            try:
-                call()  # once now: an out= form that does not fit fails here, not in a replay
-            except (RuntimeError, TypeError) as e:
-                raise GraphCaptureError(f"{func}'s out= form does not replay it: {e}") from e
+            if func not in self.tried:  # an out= form that does not fit fails here, not in a replay
+                self.tried.add(func)
+                try:
+                    call()
+                except (RuntimeError, TypeError) as e:
+                    raise GraphCaptureError(f"{func}'s out= form does not replay it: {e}") from e
             self.graph.calls.append((call, False))
         else:
             raise GraphCaptureError(f"{func} returns new tensors, with no out= form to replay into them")

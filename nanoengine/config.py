@@ -110,11 +110,12 @@ class Config:
             self.max_model_len = capacity
         if self.max_num_batched_tokens is None and self.enable_chunked_prefill:
             # Small steps keep running streams' token gaps short, large ones lose less throughput.
-            # Measured on 2 CPU cores (16 streams decoding when 64 prompts arrive; bench.py's workload
-            # over HTTP): largest gap 112x the median prefill-first, 8.4x at 512, 4.7x at 256; HTTP
-            # throughput 92% of offline at 512, 78% at 256. On CUDA, vLLM's online default of 2048.
+            # Measured on 2 CPU cores, float32 (16 streams decoding when 64 prompts arrive): largest
+            # gap 4.8-5.8x the median at 512 tokens, 4.0 at 384, 2.9-3.1 at 256; bench.py's workload
+            # offline, each against prefill-first in the same run: 512 +3%, +13%; 384 -9%, +1%; 256
+            # -16%, +6%: within this machine's noise. On CUDA, vLLM's online default of 2048.
             # At least one decode token for every sequence a step may hold.
-            self.max_num_batched_tokens = max(2048 if self.torch_device.type == "cuda" else 512, self.max_num_seqs)
+            self.max_num_batched_tokens = max(2048 if self.torch_device.type == "cuda" else 256, self.max_num_seqs)
         elif self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_model_len)
         elif self.max_num_batched_tokens < self.max_model_len and not self.enable_chunked_prefill:

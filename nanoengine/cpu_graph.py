@@ -2,7 +2,7 @@
 
 A CUDA graph (graph_runner.py) records a step's kernel launches and replays them with one call,
 because at small batches launching costs more than computing. A CPU decode step has the same
-problem: at batch 1 the default model makes some 330 calls into the C++ kernels, and the Python
+problem: at batch 1 the default model makes some 300 calls into the C++ kernels, and the Python
 around them (module calls, argument checks, output allocation) took longer than the kernels.
 A ``CPUGraph`` removes it the same way. While it captures, the step runs as usual and everything
 that computes is appended to a list:
@@ -20,9 +20,9 @@ As with a CUDA graph, only the contents of tensors may change between replays: s
 values and the choices Python made are those of the captured step. So capture refuses what a
 replay could not repeat, where it can see it: reading a tensor's value into Python (``.item()``),
 an op whose result's shape depends on values (``nonzero``, a boolean mask), and new tensors from
-an op with no ``out=`` form. The caller then runs the step eagerly. Kernels still check index values on every
-replay; one that refuses them makes ``replay`` raise ``ReplayError`` (its Python wrapper, run
-eagerly, names the problem).
+an op with no ``out=`` form. The caller then runs the step eagerly. Kernels still check index
+values on every replay; one that refuses them makes ``replay`` raise ``ReplayError`` (its Python
+wrapper, run eagerly, names the problem).
 """
 
 import contextlib

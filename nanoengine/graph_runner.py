@@ -10,8 +10,8 @@ A CPU has the same problem at small batches, with Python between the C++ kernels
 launches, and the same cure: a ``CPUGraph`` (cpu_graph.py) records a step's kernel calls and
 replays them. Recording is nearly free (the step runs as it is recorded), so on CPU each bucket
 is captured by its first real step, not at start-up; and only up to ``CPU_GRAPH_MAX_BATCH``,
-where the Python is still a large share of the step. Without graphs (or past that batch size),
-decode runs eagerly over the same buffer views, with the same results.
+where the Python is still a large share of the step. A batch with no graph to replay (past that
+size, or with graphs off or failed) runs eagerly as it is, unpadded, with the same results.
 """
 
 import warnings
@@ -97,10 +97,14 @@ class DecodeGraphRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
         """Decode ``n`` sequences; returns their hidden states ``[n, hidden]``.
 
-        The result is a view of the static output buffer: use it before the next ``run``.
+        The result may be a view of the static output buffer: use it before the next ``run``.
         """
         n = input_ids.shape[0]
         batch_size = next(b for b in self.buckets if b >= n)
+        graph = self.graphs.get(batch_size)
+        records = graph is None and self.records_cpu_graphs and batch_size <= CPU_GRAPH_MAX_BATCH
+        if graph is None and not records:
+            return self.model(input_ids, positions, ctx)  # nothing to replay, so nothing to pad for
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
         self.slot_mapping[:n] = ctx.slot_mapping
@@ -113,16 +117,13 @@ class DecodeGraphRunner:
         # always a valid index, and never read past a row's context length.
         self.block_tables[:batch_size] = 0
         self.block_tables[:n, :ctx.block_tables.shape[1]] = ctx.block_tables
-        graph = self.graphs.get(batch_size)
-        if graph is not None:
-            try:
-                graph.replay()
-            except ReplayError:
-                self._forward(batch_size)  # the kernel's wrapper raises the error, with what was wrong
-        elif self.records_cpu_graphs and batch_size <= CPU_GRAPH_MAX_BATCH:
+        if records:
             self._record_cpu_graph(batch_size)
-        else:
-            self._forward(batch_size)
+            return self.hidden[:n]
+        try:
+            graph.replay()
+        except ReplayError:
+            self._forward(batch_size)  # the kernel's wrapper raises the error, with what was wrong
         return self.hidden[:n]
 
     def _record_cpu_graph(self, batch_size: int) -> None:

@@ -85,6 +85,6 @@ def test_chunked_prefill_defaults_to_a_small_step_budget_on_cpu_and_is_the_serve
     for config in (chunked, first):
         config.resolve_limits(2048)
         config.fit_to_kvcache(1000, 16)
-    assert chunked.max_num_batched_tokens == 512 and first.max_num_batched_tokens == 8192
+    assert chunked.max_num_batched_tokens == 256 and first.max_num_batched_tokens == 8192
     assert engine_options(make_parser().parse_args([]))["enable_chunked_prefill"] is True
     assert engine_options(make_parser().parse_args(["--no-enable-chunked-prefill"]))["enable_chunked_prefill"] is False

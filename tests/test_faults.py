@@ -1,7 +1,8 @@
 """A step that raises or is interrupted, at any point, leaves the engine as good as a fresh one.
 
 Faults are injected at each stage of a step (scheduling, input preparation, the forward at a
-layer, halfway through a decode graph's replay, sampling, postprocessing), and Ctrl-C arrives at random moments of a long ``generate``.
+layer, halfway through a decode graph's replay, sampling, postprocessing), and Ctrl-C arrives at
+random moments of a long ``generate``.
 Afterwards no block may be in use and the same prompts must give a fresh engine's tokens: in
 particular, no block whose K/V the failed step never wrote may be served from the prefix cache.
 """
@@ -78,7 +79,8 @@ CHUNKED = dict(enable_chunked_prefill=True, max_num_batched_tokens=7)
 
 @pytest.mark.parametrize("where,n,options", [
     ("schedule", 2, {}), ("prepare_prefill", 1, {}), ("prepare_decode", 3, {}), ("forward", 1, {}),
-    ("forward", 4, {"enforce_eager": True}), ("replay", 1, {}), ("replay", 3, {}), ("sampling", 1, {}), ("sampling", 5, {}), ("postprocess", 3, {}), ("postprocess", 9, {}),
+    ("forward", 4, {"enforce_eager": True}), ("replay", 1, {}), ("replay", 3, {}), ("sampling", 1, {}),
+    ("sampling", 5, {}), ("postprocess", 3, {}), ("postprocess", 9, {}),
     # Chunked prefill: a step may fail after earlier chunks of its prompts were computed and cached;
     # those stay valid, the failed chunk's blocks must not be served.
     ("prepare_prefill", 2, CHUNKED), ("forward", 2, CHUNKED), ("forward", 3, CHUNKED), ("postprocess", 4, CHUNKED),

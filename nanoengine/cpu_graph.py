@@ -14,7 +14,7 @@ that computes is appended to a list:
 
 Views and allocations compute nothing, so they are not replayed; the graph keeps every tensor made
 during capture alive, so the addresses in the list stay valid. Replay calls the list again, on the
-same tensors: like a CUDA graph, it is frozen, and the step's inputs go into static buffers first.
+same tensors, so the step's inputs go into static buffers first.
 
 As with a CUDA graph, only the contents of tensors may change between replays: shapes, Python
 values and the choices Python made are those of the captured step. So capture refuses what a

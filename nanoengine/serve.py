@@ -239,7 +239,7 @@ ENGINE_OPTIONS = {
     "--dtype": dict(choices=["auto", "float32", "float16", "bfloat16"]),
     "--device": dict(choices=["auto", "cpu", "cuda"]),
     "--quantization": dict(choices=["int8", "int4"], help="weight-only quantization (default: none)"),
-    "--enforce-eager": dict(action="store_true", default=None, help="no CUDA graphs: decode runs eagerly"),
+    "--enforce-eager": dict(action="store_true", default=None, help="no decode graphs (CUDA or CPU): eager decode"),
     "--enable-prefix-caching": dict(action=argparse.BooleanOptionalAction, help="on unless --no-enable-prefix-caching"),
     # On by default in the server (off offline): a burst of prompts must not freeze running streams.
     "--enable-chunked-prefill": dict(action=argparse.BooleanOptionalAction, default=True,

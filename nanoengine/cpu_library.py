@@ -61,8 +61,9 @@ class Kernel:
         self.returns_code = function.restype is ctypes.c_int
 
     def __call__(self, *args):
-        if Kernel.recording is not None:
-            Kernel.recording.append((functools.partial(self.function, *args), self.returns_code))
+        if Kernel.recording is not None:  # its arguments as ctypes values: a replay then skips converting them
+            converted = [kind(arg) for kind, arg in zip(self.function.argtypes, args)]
+            Kernel.recording.append((functools.partial(self.function, *converted), self.returns_code))
         return self.function(*args)
 
 

@@ -50,6 +50,10 @@ constexpr int INT4_BLOCK_BYTES = TILE * (BLOCK / 2 + 2 + 2);  // q, then float16
 constexpr int INT8_HALF = 4;   // int8 computes a tile as two halves of 4 rows
 constexpr int MAX_ROWS = 4;    // rows of x computed together, against one unpacked weight block
 constexpr int CHUNK = 256;     // rows of x whose int8 copy stays in cache while a tile is read
+// Each thread streams its tiles from memory, and the hardware prefetcher alone left the memory bus
+// partly idle: asking for the bytes PREFETCH ahead of the block being computed made a batch-1 pass
+// over 30 layers' int4 weights (66 MB) 8-15% faster (int8, 3-7%); 1 KB to 4 KB ahead did as well.
+constexpr int PREFETCH = 2048;
 
 // x's rows in int8, as the kernels read them: per row, K values, and per block a scale, the
 // block's sum of the original values, and that sum less the int8 values' (their rounding).
@@ -139,6 +143,8 @@ static void tile_int4(const QuantizedRows& x, int m, int K, const uint8_t* tile,
   for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
   for (int b = 0; b < blocks; b++) {
     const uint8_t* block = tile + b * INT4_BLOCK_BYTES;
+    for (int line = 0; line < INT4_BLOCK_BYTES; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(block) + PREFETCH + line, _MM_HINT_T0);
     __m256i w[8];  // vector g: elements 4g .. 4g + 3 of each row, as bytes 0..15
     for (int c = 0; c < 4; c++) {
       const __m256i run = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * c));
@@ -175,6 +181,8 @@ static void half_tile_int8(const QuantizedRows& x, int m, int K, const int8_t* q
   for (int r = 0; r < ROWS; r++)
     for (int n = 0; n < H; n++) acc[r][n] = _mm256_setzero_ps();
   for (int b = 0; b < blocks; b++) {
+    for (int line = 0; line < H * BLOCK; line += 64)  // this half's 128 bytes of a block further on
+      _mm_prefetch(reinterpret_cast<const char*>(q + b * TILE * BLOCK) + PREFETCH + line, _MM_HINT_T0);
     __m256i w[H], magnitude[H];
     for (int n = 0; n < H; n++) {
       w[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (b * TILE + n) * BLOCK));

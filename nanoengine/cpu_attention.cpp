@@ -25,6 +25,7 @@
 // except that q's tokens are q_stride elements apart: q is a view into the qkv projection's output.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <utility>
 #include <vector>
@@ -58,9 +59,10 @@ static void for_each_token(const T* cache, const int32_t* blocks, int seqlen, in
                            size_t row_size, Fn fn) {
   for (int b = 0, t = 0; t < seqlen; b++) {
     const T* slot = cache + size_t(blocks[b]) * block_size * slot_size;
-    const T* next = t + block_size < seqlen ? cache + size_t(blocks[b + 1]) * block_size * slot_size : nullptr;
+    // The same row of the next block, if there is one (else only stepped along, never read).
+    const T* next = t + block_size < seqlen ? cache + size_t(blocks[b + 1]) * block_size * slot_size : slot;
     for (int n = std::min(block_size, seqlen - t); n > 0; n--, t++, slot += slot_size, next += slot_size) {
-      if (next && t + block_size < seqlen)
+      if (t + block_size < seqlen)
         for (size_t byte = 0; byte < row_size * sizeof(T); byte += 64)
           __builtin_prefetch(reinterpret_cast<const char*>(next) + byte);
       fn(t, slot);
@@ -126,15 +128,16 @@ static inline ValueVec sum_each(ValueVec* v) {
 // One sequence, in two passes over its blocks: the scores q.k of every query head for every key, a
 // softmax per query head, then the probability-weighted sum of the values. The heads are
 // num_kv_heads kv heads and their query heads, of the slot_size / D kv heads each cache row holds
-// (all of them, or decode's share: the caller offsets q, the caches and out to its first).
+// (all of them, or decode's share: the caller offsets q, the caches and out to its first). With
+// lse, each query head's log-sum-exp of its scores as well (decode's splits merge by it).
 // Both passes take LANES tokens at a time (a chunk). Scores: a query head's LANES dot products
 // are summed in vectors, then across them at once (sum_each). Values: each query head's sums stay
 // in registers over the chunk. Against plain loops over d, which the compiler left with a
 // horizontal sum per score and the sums in memory: batch 1, 192 tokens, 30 layers, 1.72 -> 1.39 ms.
-template <typename T>
+template <typename T, typename O>
 static void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int seqlen, int block_size,
                    int num_heads, int num_kv_heads, size_t slot_size, float scale, std::vector<float>& scores,
-                   T* out) {
+                   O* out, float* lse = nullptr) {
   constexpr int C = D / LANES;  // vectors per head
   const int group = num_heads / num_kv_heads, padded = (seqlen + LANES - 1) / LANES * LANES;
   const size_t row_size = size_t(num_kv_heads) * D;
@@ -172,6 +175,7 @@ static void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t
     float sum = 0.f;
     for (int t = 0; t < seqlen; t++) sum += s[t] = std::exp(s[t] - max);
     inverse_sum[g] = 1.f / sum;
+    if (lse) lse[g] = max + std::log(sum);  // the log of the softmax's denominator
   }
   for_each_chunk(v_cache, [&](int t0, int n, const T* const* rows) {
     for (int g = 0; g < num_heads; g++) {
@@ -325,8 +329,14 @@ static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
 
 // One task per sequence, shared out over as many OpenMP threads as torch uses (sequences differ
 // in length, hence the dynamic schedule). libgomp is the one torch loaded, so the threads are its.
-// With fewer sequences than threads (a single chat stream), one task per (sequence, kv head)
-// instead, so that every thread works: a kv head and its query heads need nothing of the others.
+// With fewer sequences than threads (a single chat stream), one task per (sequence, kv head,
+// split) instead, so that every thread works: a kv head and its query heads need nothing of the
+// others, and a split is a stretch of the sequence's blocks (flash-decoding's idea), attended
+// alone. The splits' outputs are then added up weighed by their softmax sums: with lse_s the
+// log-sum-exp of split s's scores, out = sum_s exp(lse_s - L) * out_s, where L = log sum_s exp(lse_s).
+// Splits make twice as many tasks as threads: with 3 kv heads on 2 threads, one thread had two
+// heads to the other's one (batch 1, 30 layers: 1,024 tokens 6.5-6.6 -> 5.4-5.8 ms; 192 tokens
+// 1.19-1.20 -> 1.11-1.17 ms).
 template <typename T>
 static int decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
                   const int32_t* seqlens, T* out, int batch, int max_blocks, int num_blocks, int block_size,
@@ -335,22 +345,53 @@ static int decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
   for (int i = 0; i < batch; i++)
     if (seqlens[i] < 0 || seqlens[i] > int64_t(max_blocks) * block_size) return BAD_SEQLEN;
   const int parts = batch < num_threads ? num_kv_heads : 1;
+  const int splits = batch < num_threads ? (2 * num_threads + batch * parts - 1) / (batch * parts) : 1;
   const int heads = num_heads / parts, kv_heads = num_kv_heads / parts;
+  // Each split's output and log-sum-exp, [batch][split][head]. A split with no keys keeps output 0
+  // and the lowest float as its lse (not -inf: fast-math assumes no infinities), which weighs it 0
+  // beside any split with keys, and gives a padded row (no keys at all) zeros, as flash-attn does.
+  constexpr float NO_KEYS = std::numeric_limits<float>::lowest();
+  std::vector<float> split_out(splits > 1 ? size_t(batch) * splits * num_heads * D : 0, 0.f);
+  std::vector<float> split_lse(splits > 1 ? size_t(batch) * splits * num_heads : 0, NO_KEYS);
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> scores;  // per thread, reused across its tasks
 #pragma omp for schedule(dynamic)
-    for (int task = 0; task < batch * parts; task++) {
-      const int i = task / parts, part = task % parts;
-      T* o = out + (size_t(i) * num_heads + part * heads) * D;
-      if (seqlens[i] == 0)  // a padded batch row: zeros, as flash-attn gives
-        std::fill(o, o + heads * D, T(0));
-      else
-        attend(q + i * q_stride + part * heads * D, k_cache + part * kv_heads * D, v_cache + part * kv_heads * D,
-               block_table + size_t(i) * max_blocks, seqlens[i], block_size, heads, kv_heads,
-               size_t(num_kv_heads) * D, scale, scores, o);
+    for (int task = 0; task < batch * parts * splits; task++) {
+      const int i = task / (parts * splits), part = task / splits % parts, split = task % splits;
+      const T *qh = q + i * q_stride + part * heads * D, *k = k_cache + part * kv_heads * D;
+      const T* v = v_cache + part * kv_heads * D;
+      const int32_t* blocks = block_table + size_t(i) * max_blocks;
+      const size_t slot_size = size_t(num_kv_heads) * D;
+      if (splits == 1) {
+        T* o = out + (size_t(i) * num_heads + part * heads) * D;
+        if (seqlens[i] == 0)  // a padded batch row: zeros, as flash-attn gives
+          std::fill(o, o + heads * D, T(0));
+        else
+          attend(qh, k, v, blocks, seqlens[i], block_size, heads, kv_heads, slot_size, scale, scores, o);
+        continue;
+      }
+      const int split_blocks = ((seqlens[i] + block_size - 1) / block_size + splits - 1) / splits;
+      const int first = split * split_blocks * block_size;  // the split's first token
+      if (first >= seqlens[i]) continue;
+      const size_t row = (size_t(i) * splits + split) * num_heads + part * heads;
+      attend(qh, k, v, blocks + split * split_blocks, std::min(seqlens[i] - first, split_blocks * block_size),
+             block_size, heads, kv_heads, slot_size, scale, scores, &split_out[row * D], &split_lse[row]);
     }
   }
+  for (int i = 0; i < batch && splits > 1; i++)
+    for (int g = 0; g < num_heads; g++) {
+      float largest = NO_KEYS, total = 0.f, o[D] = {};
+      for (int split = 0; split < splits; split++)
+        largest = std::max(largest, split_lse[(size_t(i) * splits + split) * num_heads + g]);
+      for (int split = 0; split < splits; split++) {
+        const size_t row = (size_t(i) * splits + split) * num_heads + g;
+        const float weight = std::exp(split_lse[row] - largest);  // the largest weighs 1: total >= 1
+        total += weight;
+        for (int d = 0; d < D; d++) o[d] += weight * split_out[row * D + d];
+      }
+      for (int d = 0; d < D; d++) store(o[d] / total, out + (size_t(i) * num_heads + g) * D + d);
+    }
   return 0;
 }
 

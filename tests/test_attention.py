@@ -144,13 +144,15 @@ def test_decode_with_kvcache_matches_dense_and_zeroes_empty_rows(decode_attentio
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("lengths", [[17], [5, 0, 40]])
+@pytest.mark.parametrize("lengths", [[17], [5, 0, 40], [3], [0], [300]])
 @pytest.mark.parametrize("heads", GQA + [(9, 3)])
-def test_decode_with_fewer_sequences_than_threads_splits_by_kv_head(heads, lengths, dtype, tol):
-    """A single chat stream: the kernel gives each (sequence, kv head) its own task, same result."""
+def test_decode_with_fewer_sequences_than_threads_splits_by_kv_head_and_blocks(heads, lengths, dtype, tol):
+    """A single chat stream: the kernel gives each (sequence, kv head, stretch of blocks) its own
+    task and merges the stretches by their softmax sums, same result. With 8 threads and blocks of
+    4, [3] leaves every split but the first without keys, and [0] is a padded row."""
     args, kwargs, expected = decode_case(lengths, heads, block_size=4, dtype=dtype)
     threads = torch.get_num_threads()
-    torch.set_num_threads(4)  # more threads than sequences on any machine
+    torch.set_num_threads(8)  # more threads than sequences on any machine
     try:
         out = cpu_kernel(flash_attn_with_kvcache_cpu)(*args, **kwargs)
     finally:

@@ -111,9 +111,10 @@ class Config:
         if self.max_num_batched_tokens is None and self.enable_chunked_prefill:
             # Small steps keep running streams' token gaps short, large ones lose less throughput.
             # Measured on 2 CPU cores, float32 (16 streams decoding when 64 prompts arrive): largest
-            # gap 4.8-5.8x the median at 512 tokens, 4.0 at 384, 2.9-3.1 at 256; bench.py's workload
-            # offline, each against prefill-first in the same run: 512 +3%, +13%; 384 -9%, +1%; 256
-            # -16%, +6%: within this machine's noise. On CUDA, vLLM's online default of 2048.
+            # gap 4.8-5.8x the median at 512 tokens, 4.0 at 384, 2.6-3.6 at 256; bench.py's workload
+            # offline, each against prefill-first run just before it: 512 +3%, +13%; 384 -9%, +1%;
+            # 256 0.80-1.14x over five rounds (median 1.03): within this machine's noise. On CUDA,
+            # vLLM's online default of 2048.
             # At least one decode token for every sequence a step may hold.
             self.max_num_batched_tokens = max(2048 if self.torch_device.type == "cuda" else 256, self.max_num_seqs)
         elif self.max_num_batched_tokens is None:

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cpu_bfloat16.h"
+#include "cpu_graph.h"
 
 constexpr int D = HEAD_DIM;
 // Prefill's tiles fit the vector registers: KEYS keys (one register of floats) against ROWS query
@@ -525,3 +526,10 @@ int prefill_float32(const float* q, int64_t q_stride, const float* k_cache, cons
                  max_blocks, num_blocks, block_size, num_heads, num_kv_heads, scale, causal, num_threads);
 }
 }
+
+// Each entry point's twin for a CPU graph's replay (cpu_graph.h).
+REPLAYABLE(store_kvcache)
+REPLAYABLE(decode_bfloat16)
+REPLAYABLE(decode_float32)
+REPLAYABLE(prefill_bfloat16)
+REPLAYABLE(prefill_float32)

@@ -9,6 +9,7 @@
 #include <cstddef>
 
 #include "cpu_bfloat16.h"
+#include "cpu_graph.h"
 
 // The decoder's residual add and the RMSNorm after it (vLLM's fused_add_rms_norm), row by row:
 // residual += x, rounded to T as torch's add would; out = weight * normalised residual, with the
@@ -119,3 +120,11 @@ int rotary_float32(float* q, float* k, int64_t q_stride, int64_t k_stride, int q
                 num_threads);
 }
 }
+
+// Each entry point's twin for a CPU graph's replay (cpu_graph.h).
+REPLAYABLE(add_rms_norm_bfloat16)
+REPLAYABLE(add_rms_norm_float32)
+REPLAYABLE(silu_and_mul_bfloat16)
+REPLAYABLE(silu_and_mul_float32)
+REPLAYABLE(rotary_bfloat16)
+REPLAYABLE(rotary_float32)

@@ -14,20 +14,23 @@ source becomes an object file with it, and the object a shared library without i
 Every entry point's argument types are declared once, when its library loads, so that ctypes
 itself refuses an argument of the wrong kind rather than passing C++ whatever bits it holds; the
 kernels that take index arguments check them and return an error code, an int. Each is then
-wrapped in a ``Kernel``, which a CPU graph (cpu_graph.py) records calls through.
+wrapped in a ``Kernel``, which a CPU graph (cpu_graph.py) records calls through, each as a
+``KernelCall``: the arguments ready for ctypes, and the same as the 64-bit words that the
+kernel's C++ twin takes (cpu_graph.h), for a replay that makes its calls from C++.
 """
 
 import ctypes
 import functools
 import os
 import platform
+import struct
 import subprocess
 import warnings
 from pathlib import Path
 
 import xxhash
 
-_HEADER = Path(__file__).with_name("cpu_bfloat16.h")
+_HEADERS = sorted(Path(__file__).parent.glob("cpu_*.h"))  # every kernel file may include them
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _LAYERS_SIGNATURES = {  # the same for the bfloat16 and float32 kernels
     "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I],
@@ -38,8 +41,10 @@ _ATTENTION_SIGNATURES = {
     "decode": [_P, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I],
     "prefill": [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
 }
-CHECK_INDICES = ("store_kvcache", "decode", "prefill", "rotary")  # these return an error code, 0 if done
+# These return an int: an error code, 0 if done (replay: how many of its steps it made).
+RETURNS_INT = ("store_kvcache", "decode", "prefill", "rotary", "replay")
 SIGNATURES = {  # each file's extern "C" functions and their argument types
+    "cpu_graph.cpp": {"replay": [_P, _I]},
     "cpu_attention.cpp": {"store_kvcache": [_P, _P, _I64, _I64, _P, _P, _P, _I, _I64, _I64, _I]}
     | {f"{name}_{dtype}": args for name, args in _ATTENTION_SIGNATURES.items() for dtype in ("bfloat16", "float32")},
     "cpu_layers.cpp": {f"{name}_{dtype}": args for name, args in _LAYERS_SIGNATURES.items()
@@ -51,20 +56,39 @@ SIGNATURES = {  # each file's extern "C" functions and their argument types
 
 
 class Kernel:
-    """A C++ entry point, called like the ctypes function it wraps. While a CPU graph captures
-    (cpu_graph.py), ``recording`` is its list of calls, and each call is appended to it as well."""
+    """A C++ entry point, called like the ctypes function it wraps; ``twin`` is the address of its
+    ``_words`` twin. While a CPU graph captures (cpu_graph.py), ``recording`` is its list of calls,
+    and each call is appended to it as well."""
 
     recording: list | None = None
 
-    def __init__(self, function: ctypes._CFuncPtr):
-        self.function = function
-        self.returns_code = function.restype is ctypes.c_int
+    def __init__(self, function: ctypes._CFuncPtr, twin: int):
+        self.function, self.twin = function, twin
 
     def __call__(self, *args):
-        if Kernel.recording is not None:  # its arguments as ctypes values: a replay then skips converting them
-            converted = [kind(arg) for kind, arg in zip(self.function.argtypes, args)]
-            Kernel.recording.append((functools.partial(self.function, *converted), self.returns_code))
+        if Kernel.recording is not None:
+            Kernel.recording.append(KernelCall(self, args))
         return self.function(*args)
+
+
+class KernelCall:
+    """A recorded kernel call: callable again, with its arguments already ctypes values, and those
+    arguments as the words its twin takes (``words``), for cpu_graph.cpp's replay."""
+
+    def __init__(self, kernel: Kernel, args: tuple):
+        self.function, self.twin = kernel.function, kernel.twin
+        self.args = [kind(arg) for kind, arg in zip(kernel.function.argtypes, args)]
+        self.words = (ctypes.c_uint64 * len(args))(*map(_word, self.args))
+
+    def __call__(self) -> int | None:
+        return self.function(*self.args)
+
+
+def _word(arg: ctypes._SimpleCData) -> int:
+    """A ctypes argument as cpu_graph.h's from_word reads it back."""
+    if isinstance(arg, ctypes.c_float):
+        return struct.unpack("<I", struct.pack("<f", arg.value))[0]
+    return (arg.value or 0) & 0xFFFF_FFFF_FFFF_FFFF  # a pointer (None: null) or an integer
 
 
 def cpu_features() -> str:
@@ -83,7 +107,7 @@ def _build(source: Path, head_dim: int | None, library_dir: Path) -> Path:
     compile_cmd = [compiler, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
     compile_cmd += [f"-DHEAD_DIM={head_dim}"] if head_dim else []
     link_cmd = [compiler, "-shared", "-fopenmp"]  # no -ffast-math here: see the module docstring
-    key = xxhash.xxh64(source.read_bytes() + _HEADER.read_bytes()
+    key = xxhash.xxh64(source.read_bytes() + b"".join(header.read_bytes() for header in _HEADERS)
                        + " ".join([*compile_cmd, "&&", *link_cmd, cpu_features()]).encode())
     library = library_dir / f"{source.stem}_{key.hexdigest()}.so"
     if not library.exists():
@@ -107,7 +131,8 @@ def cache_dir() -> Path:
 @functools.cache
 def load(source: str, head_dim: int | None = None) -> ctypes.CDLL | None:
     """The compiled ``source`` (a .cpp file beside this one), for ``head_dim`` if it needs one, with
-    its functions' argument types declared, each a ``Kernel``; None, after a warning, if it cannot be built."""
+    its functions' argument types declared, each with a ``_words`` twin a ``Kernel``; None, after a
+    warning, if it cannot be built."""
     try:
         library = ctypes.CDLL(str(_build(Path(__file__).with_name(source), head_dim, cache_dir())))
     except (OSError, subprocess.CalledProcessError) as e:
@@ -118,6 +143,8 @@ def load(source: str, head_dim: int | None = None) -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES[source].items():
         function = getattr(library, name)
         function.argtypes = argtypes
-        function.restype = ctypes.c_int if name.startswith(CHECK_INDICES) else None
-        setattr(library, name, Kernel(function))
+        function.restype = ctypes.c_int if name.startswith(RETURNS_INT) else None
+        if hasattr(library, f"{name}_words"):
+            twin = ctypes.cast(getattr(library, f"{name}_words"), ctypes.c_void_p).value
+            setattr(library, name, Kernel(function, twin))
     return library

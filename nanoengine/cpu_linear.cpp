@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "cpu_bfloat16.h"
+#include "cpu_graph.h"
 
 constexpr int COLUMNS = 32;   // output columns of one strip: two vectors of 16 float32 sums
 constexpr int MAX_ROWS = 14;  // rows computed together: 2 x 14 accumulators fill the 32 vector registers
@@ -98,3 +99,6 @@ extern "C" void linear_bfloat16(const uint16_t* x, int64_t x_stride, const uint1
     }
   }
 }
+
+// Each entry point's twin for a CPU graph's replay (cpu_graph.h).
+REPLAYABLE(linear_bfloat16)

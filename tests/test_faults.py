@@ -65,7 +65,7 @@ def inject(llm: LLM, where: str, n: int, monkeypatch) -> None:
         monkeypatch.setattr(layer, "forward", raise_on_call(n, layer.forward))
     elif where == "replay":  # a decode graph replay stops halfway: layer 0's K/V stored, layer 1's not
         def half_replay(graph):
-            for call, _ in graph.calls[:len(graph.calls) // 2]:
+            for call in graph.calls[:len(graph.calls) // 2]:
                 call()
         monkeypatch.setattr(CPUGraph, "replay", raise_on_call(n, CPUGraph.replay, before=half_replay))
     elif where == "sampling":

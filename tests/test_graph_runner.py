@@ -89,16 +89,19 @@ def test_runner_matches_eager_decode_and_writes_only_real_rows(tiny_models, arch
 
 
 def test_cpu_graph_replays_kernels_and_torch_ops_on_new_inputs():
-    x = torch.randn(3, 8)
+    x, weight = torch.randn(3, 8), torch.randn(4)
     graph = CPUGraph()
     with torch.inference_mode(), graph.capture():
-        hidden = cpu_kernels.silu_and_mul(x)  # a C++ kernel
-        out = (hidden * 2).add_(1)  # a new tensor (replayed through mul's out=) and an in-place op
-    assert len(graph.calls) == 3
+        hidden = cpu_kernels.silu_and_mul(x)  # C++ kernels, one taking a float and a null pointer
+        normed = cpu_kernels.add_rms_norm(hidden, None, weight, eps=0.25)
+        out = (normed * 2).add_(1)  # a new tensor (replayed through mul's out=) and an in-place op
+    # The two kernel calls are replayed from C++, in one call; their words carry the float and the null.
+    assert len(graph.calls) == 4 and len(graph.program) == 3
     x.copy_(torch.randn(3, 8))
     graph.replay()
     gate, up = x.chunk(2, dim=-1)
-    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up * 2 + 1)
+    expected = torch.nn.functional.rms_norm(torch.nn.functional.silu(gate) * up, (4,), weight, eps=0.25)
+    torch.testing.assert_close(out, expected * 2 + 1)
 
 
 def test_cpu_graph_capture_refuses_what_replay_would_not_repeat():
@@ -138,7 +141,7 @@ def test_replayed_kernel_that_refuses_an_index_raises_value_error(tiny_models):
         block_tables = ctx.block_tables
         ctx.block_tables = torch.full_like(block_tables, runner.num_kvcache_blocks)  # one past the cache
         runner.graph_runner.block_tables[0] = runner.num_kvcache_blocks
-        with pytest.raises(ReplayError):
+        with pytest.raises(ReplayError, match="decode_float32 refused its arguments"):
             runner.graph_runner.graphs[1].replay()
         with pytest.raises(ValueError, match="block_table holds values outside"):
             runner.graph_runner.run(input_ids, positions, ctx)

@@ -131,8 +131,8 @@ def cache_dir() -> Path:
 @functools.cache
 def load(source: str, head_dim: int | None = None) -> ctypes.CDLL | None:
     """The compiled ``source`` (a .cpp file beside this one), for ``head_dim`` if it needs one, with
-    its functions' argument types declared, each with a ``_words`` twin a ``Kernel``; None, after a
-    warning, if it cannot be built."""
+    its functions' argument types declared and each kernel (an entry point with a ``_words`` twin)
+    wrapped in a ``Kernel``; None, after a warning, if it cannot be built."""
     try:
         library = ctypes.CDLL(str(_build(Path(__file__).with_name(source), head_dim, cache_dir())))
     except (OSError, subprocess.CalledProcessError) as e:

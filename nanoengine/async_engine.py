@@ -1,8 +1,8 @@
 """The async engine: one ``LLMEngine`` shared by many concurrent asyncio callers.
 
-The engine is not thread-safe, so it lives on one thread of its own. Callers never touch it:
-they pass it work (add, abort, read stats) through a thread-safe queue, and the engine thread
-runs that work between steps. It sleeps on the queue while it has no requests and steps while
+The engine is not thread-safe, so it is built and stepped on one thread of its own. Callers never
+touch it: they pass it work (add, abort, read stats) through a thread-safe queue, and the engine
+thread runs that work between steps. It sleeps on the queue while it has no requests and steps while
 it has any; each step's new tokens go to their request's ``asyncio.Queue`` through
 ``loop.call_soon_threadsafe``, the one safe way into an event loop from another thread.
 Continuous batching does the rest: a request added mid-flight joins the next step.
@@ -86,18 +86,30 @@ def _log_failure(future: Future) -> None:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        # The event loop's thread tokenizes prompts; the engine thread detokenizes completions
-        # (stop strings are found in the text), each sequence with a detokenizer of its own.
-        self.tokenizer = engine.tokenizer
+    def __init__(self, model: str | None = None, **kwargs):
+        """Build ``LLMEngine(model, **kwargs)`` on the engine thread; return once it is ready, or
+        raise what building it raised (a ``ValueError`` for a bad option).
+
+        The engine is built on the thread that steps it because OpenMP, which runs torch's and the
+        CPU kernels' parallel loops, keeps a pool of worker threads for each thread that starts a
+        parallel region. Built on the caller's thread and stepped on this one, the process would
+        hold two pools, more OpenMP threads than cores, and libgomp then lets a waiting thread spin
+        only a moment before it sleeps: over bench_serving.py's workload the stepping thread and its
+        worker slept about 20,000 and 49,000 times, against about 100 and 30 when one thread does both.
+        """
         self._inbox: queue.SimpleQueue[tuple[Callable, Future] | None] = queue.SimpleQueue()
         self._streams: dict[int, RequestStream] = {}  # engine thread only
         self.error: str | None = None  # why the engine thread stopped; None while it runs
         # Held to queue work and to mark the thread stopped, so no work slips in after the last drain.
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="nanoengine", daemon=True)
+        built = Future()
+        self._thread = threading.Thread(target=self._run, args=(model, kwargs, built), name="nanoengine",
+                                        daemon=True)
         self._thread.start()
+        built.result()  # raises what building the engine raised
+        # The event loop's thread tokenizes prompts; the engine thread detokenizes completions
+        # (stop strings are found in the text), each sequence with a detokenizer of its own.
+        self.tokenizer = self.engine.tokenizer
 
     # -- the callers' side (event loop thread) ----------------------------------------------
 
@@ -156,7 +168,13 @@ class AsyncLLMEngine:
         except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
             self._abort(stream)
 
-    def _run(self) -> None:
+    def _run(self, model: str | None, kwargs: dict, built: Future) -> None:
+        try:
+            self.engine = LLMEngine(model, **kwargs)
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(None)
         try:
             self._serve()
             reason = "the engine was shut down"

@@ -33,7 +33,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoengine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, RequestStream
-from nanoengine.engine import LLMEngine
 from nanoengine.loader import DEFAULT_MODEL_FILE
 from nanoengine.metrics import RequestClock, ServerMetrics
 from nanoengine.openai_protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, OpenAIRequest,
@@ -270,12 +269,11 @@ def main() -> None:
     parser = make_parser()
     args = parser.parse_args()
     try:
-        engine = LLMEngine(args.model, **engine_options(args))
+        engine = AsyncLLMEngine(args.model, **engine_options(args))
     except ValueError as e:
         parser.error(str(e))
     model_name = args.served_model_name or args.model or DEFAULT_MODEL_FILE.removesuffix(".gguf")
-    uvicorn.run(create_app(AsyncLLMEngine(engine), model_name), host=args.host, port=args.port,
-                log_level="warning")
+    uvicorn.run(create_app(engine, model_name), host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

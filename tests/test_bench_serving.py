@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
-pytest.importorskip("httpx")
+pytest.importorskip("aiohttp")
 
 from bench import make_requests  # noqa: E402
 from bench_serving import RequestResult, nanoengine_server, summarize  # noqa: E402

@@ -21,6 +21,7 @@ pytest.importorskip("uvicorn")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
+pytest.importorskip("aiohttp")  # the server fixture starts it through bench_serving.py, an aiohttp client
 
 from nanoengine import LLM, SamplingParams  # noqa: E402
 
@@ -299,10 +300,10 @@ def in_process_server(model_path: str):
     import uvicorn
 
     from nanoengine.async_engine import AsyncLLMEngine
-    from nanoengine.engine import LLMEngine
     from nanoengine.serve import create_app
-    engine = LLMEngine(model_path, dtype="float32", device="cpu")
-    server = uvicorn.Server(uvicorn.Config(create_app(AsyncLLMEngine(engine), "tiny"), log_level="warning"))
+    async_engine = AsyncLLMEngine(model_path, dtype="float32", device="cpu")
+    engine = async_engine.engine
+    server = uvicorn.Server(uvicorn.Config(create_app(async_engine, "tiny"), log_level="warning"))
     # Bound and listening before the server starts: connections wait in the backlog, no polling for startup.
     sock = socket.create_server(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -319,6 +320,41 @@ def in_process_server(model_path: str):
 def local_server(tiny_models):
     with in_process_server(tiny_models["llama"]) as (url, engine):
         yield url, engine
+
+
+def test_async_engine_is_built_on_the_thread_that_steps_it(tiny_models, monkeypatch):
+    """One thread does all the model's work, so the process holds one OpenMP pool, as offline."""
+    from nanoengine.async_engine import AsyncLLMEngine
+    from nanoengine.engine import LLMEngine
+    threads = {"built": set(), "stepped": set()}
+    build, step = LLMEngine.__init__, LLMEngine.step
+
+    def recording_build(self, *args, **kwargs):
+        threads["built"].add(threading.get_ident())
+        build(self, *args, **kwargs)
+
+    def recording_step(self):
+        threads["stepped"].add(threading.get_ident())
+        return step(self)
+    monkeypatch.setattr(LLMEngine, "__init__", recording_build)
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
+    engine = AsyncLLMEngine(tiny_models["llama"], dtype="float32", device="cpu")
+
+    async def generate() -> list[int]:
+        stream = await engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        return [token for output in [out async for out in stream] for token in output.token_ids]
+    try:
+        assert len(asyncio.run(generate())) == 3
+    finally:
+        engine.shutdown()
+    assert len(threads["built"]) == 1 and threads["built"] == threads["stepped"]
+    assert threading.get_ident() not in threads["built"]
+
+
+def test_async_engine_with_a_bad_option_raises_value_error_in_the_caller(tiny_models):
+    from nanoengine.async_engine import AsyncLLMEngine
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
+        AsyncLLMEngine(tiny_models["llama"], dtype="float32", device="cpu", max_num_seqs=0)
 
 
 def sse_data(response: httpx.Response) -> Iterator[str]:

@@ -87,7 +87,7 @@ async def run(base_url: str, prompts: list[list[int]], output_lens: list[int], r
 
     The client is aiohttp, as in vLLM's benchmark: on a 2-core machine the client's CPU comes out
     of the server's, and httpx spent 1.0-1.4 s of it on this workload's 5,400 chunks against
-    aiohttp's 0.25-0.30 s (a stand-in server streaming them, no model).
+    aiohttp's 0.27-0.30 s (a stand-in server streaming them, no model).
     """
     arrivals = random.Random(seed)
     # No connection limit: with a pool, requests past its size would queue in the client, unmeasured.

@@ -59,7 +59,7 @@ class LLMEngine:
         self.config = config = Config.from_kwargs(model, kwargs)
         path = checkpoint_directory(resolve_model_path(model))
         hf_config = load_hf_config(path)
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
         self.vocab_size = hf_config.vocab_size
         config.resolve_limits(hf_config.max_position_embeddings)
         # Tensor parallelism: the other ranks start first, and load their shards as this one loads its own.
@@ -83,6 +83,8 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids, or a ``ValueError`` if the engine could never serve it."""
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("prompts must be lists of token ids: the engine has no tokenizer (skip_tokenizer_init=True)")
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -108,6 +110,8 @@ class LLMEngine:
         """
         if not isinstance(conversation, list) or not conversation or not all(isinstance(m, dict) for m in conversation):
             raise ValueError("a conversation must be a non-empty list of {'role', 'content'} dicts")
+        if self.tokenizer is None:
+            raise ValueError("chat needs the tokenizer's chat template: the engine has none (skip_tokenizer_init=True)")
         try:
             token_ids = self.tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True,
                                                            return_dict=False)
@@ -121,12 +125,16 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         if sampling_params.n > self.config.max_num_seqs:  # a request's samples run side by side
             raise ValueError(f"n={sampling_params.n} is more than max_num_seqs={self.config.max_num_seqs}")
+        if sampling_params.stop and self.tokenizer is None:  # stop strings are found in the text
+            raise ValueError("stop strings need text: the engine has no tokenizer (skip_tokenizer_init=True); "
+                             "use stop_token_ids")
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Queue a request; returns its id. The prompt is checked before anything is queued."""
         self.check_sampling_params(sampling_params)
         seq = Sequence(self.tokenize(prompt), sampling_params, self.model_runner.block_size)
-        seq.detokenizer = Detokenizer(self.tokenizer, sampling_params.stop)
+        if self.tokenizer is not None:  # without one, outputs are token ids and their text is None
+            seq.detokenizer = Detokenizer(self.tokenizer, sampling_params.stop)
         self.scheduler.add(seq)
         self.requests[seq.seq_id] = seq
         self.counters["prompt_tokens"] += seq.num_prompt_tokens

@@ -14,7 +14,8 @@ from nanoengine.sequence import Sequence
 
 
 def sample_output(seq: Sequence) -> dict:
-    return {"text": seq.detokenizer.text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
+    text = seq.detokenizer.text if seq.detokenizer is not None else None  # None: the engine has no tokenizer
+    return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
             "cumulative_logprob": seq.cumulative_logprob, "logprobs": seq.logprobs}
 
 
@@ -86,6 +87,7 @@ class LLM(LLMEngine):
             outputs = iter(self.generate(beams, step, use_tqdm=False))
             for search, _ in live:
                 search.step([next(outputs)["outputs"][0]["logprobs"][0] for _ in search.running])
-        return [{"sequences": [{"text": self.tokenizer.decode(beam.token_ids, skip_special_tokens=True),
+        decode = self.tokenizer.decode if self.tokenizer is not None else lambda token_ids, **_: None
+        return [{"sequences": [{"text": decode(beam.token_ids, skip_special_tokens=True),
                                 "token_ids": beam.token_ids, "cumulative_logprob": beam.cumulative_logprob}
                                for beam in search.best()]} for search in searches]

@@ -27,7 +27,7 @@ from nanoengine.context import Context
 from nanoengine.cpu_library import cpu_features, load
 from nanoengine.graph_runner import DecodeGraphRunner
 from nanoengine.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
-from nanoengine.loader import load_weights
+from nanoengine.loader import load_dummy_weights, load_weights
 from nanoengine.model import CausalLM
 from nanoengine.parallel import TensorParallelGroup
 from nanoengine.sampler import Sampler, SamplerOutput, compute_logprobs
@@ -146,12 +146,14 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps it alive
 
 
-def kvcache_block_size(requested: int | None, device: torch.device) -> int:
-    """The KV block size: 256 on CUDA (flash-attn's paged KV needs pages of a multiple of 256), 16 on CPU."""
-    block_size = requested or (256 if device.type == "cuda" else 16)
-    if device.type == "cuda" and block_size % 256:
-        raise ValueError(f"kvcache_block_size={block_size}: flash-attn's paged KV cache on CUDA needs a "
-                         "multiple of 256 (leave it unset for 256, or pass device='cpu')")
+def kvcache_block_size(requested: int | None, attention_kernels: str) -> int:
+    """The KV block size: 256 for flash-attn (its paged KV cache needs pages of a multiple of 256),
+    else 16, which lets the prefix cache share prompts at a finer grain."""
+    flash_attn = attention_kernels == "flash-attn"
+    block_size = requested or (256 if flash_attn else 16)
+    if flash_attn and block_size % 256:
+        raise ValueError(f"kvcache_block_size={block_size}: flash-attn's paged KV cache needs a multiple of 256 "
+                         "(leave it unset for 256, or pass attention_backend='triton')")
     return block_size
 
 
@@ -159,20 +161,23 @@ class ModelRunner:
     def __init__(self, config: Config, hf_config: PretrainedConfig, model_path: str,
                  tp: TensorParallelGroup | None = None):
         self.device, self.dtype, self.tp = config.torch_device, config.torch_dtype, tp
-        self.block_size = kvcache_block_size(config.kvcache_block_size, self.device)
+        self.block_size = kvcache_block_size(config.kvcache_block_size, config.attention_kernels)
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
         # RotaryEmbedding's angle table names float32 itself, so it stays float32 in here.
         with torch.device(self.device), default_dtype(self.dtype), skip_weight_init():
             self.model = CausalLM(hf_config, max_position=config.max_model_len, tp=tp).eval()
-        load_weights(self.model, model_path)
+        if config.load_format == "dummy":
+            load_dummy_weights(self.model)
+        else:
+            load_weights(self.model, model_path)
         if config.quantization is not None:
             quantize_linears(self.model, config.quantization)
         if self.device.type == "cpu" and not config.learner_mode:
             use_cpu_kernels(self.model, self.dtype)
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        backend = get_backend(self.device, config.learner_mode)
+        backend = get_backend(config.attention_kernels, self.device, config.learner_mode)
         for layer in self.attention_layers:
             layer.backend = backend
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._kvcache_blocks_for_budget(config)
@@ -180,10 +185,12 @@ class ModelRunner:
             blocks = torch.tensor([self.num_kvcache_blocks], device=self.device)
             self.num_kvcache_blocks = int(tp.all_reduce(blocks, torch.distributed.ReduceOp.MIN))
         self._allocate_kvcache(self.num_kvcache_blocks)
-        # Decode replays graphs captured over the cache just allocated; prefill stays eager. Not on
-        # CPU with tensor parallelism: a replay would repeat gloo's collectives without their waits.
+        # Decode replays graphs captured over the cache just allocated; prefill stays eager. On CPU only
+        # over the C++ kernels, whose calls a CPU graph records, and not with tensor parallelism: a
+        # replay would repeat gloo's collectives without their waits.
         self.graph_runner = None
-        if not (config.enforce_eager or config.learner_mode) and (self.device.type == "cuda" or tp is None):
+        cpu_graphs = tp is None and config.attention_kernels == "cpu"
+        if not (config.enforce_eager or config.learner_mode) and (self.device.type == "cuda" or cpu_graphs):
             self.graph_runner = DecodeGraphRunner(
                 self.model, config.max_num_seqs, -(-config.max_model_len // self.block_size), hf_config.hidden_size,
                 self.device, self.dtype, use_graphs=True)

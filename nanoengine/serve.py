@@ -233,7 +233,7 @@ ENGINE_OPTIONS = {
     "--max-num-seqs": dict(type=int),
     "--max-num-batched-tokens": dict(type=int, help="tokens one step may compute"),
     "--num-kvcache-blocks": dict(type=int, help="a fixed number of KV blocks instead of sizing from memory"),
-    "--kvcache-block-size": dict(type=int, help="tokens per KV block (default: 16 on CPU, 256 on CUDA)"),
+    "--kvcache-block-size": dict(type=int, help="tokens per KV block (default: 256 with flash-attn, else 16)"),
     "--gpu-memory-utilization": dict(type=float, help="the fraction of GPU memory to use, KV cache included"),
     "--dtype": dict(choices=["auto", "float32", "float16", "bfloat16"]),
     "--device": dict(choices=["auto", "cpu", "cuda"]),
@@ -244,6 +244,8 @@ ENGINE_OPTIONS = {
     "--enable-chunked-prefill": dict(action=argparse.BooleanOptionalAction, default=True,
                                      help="mix decodes and prompt chunks (default: on)"),
     "--tensor-parallel-size": dict(type=int, help="ranks to split the model over (default: 1)"),
+    "--attention-backend": dict(choices=["auto", "flash-attn", "triton", "torch"],
+                                help="auto: flash-attn on CUDA where installed, else Triton; C++ kernels on CPU"),
 }
 
 

@@ -275,11 +275,12 @@ def test_every_engine_flag_is_an_llm_keyword_and_unset_ones_keep_the_defaults_bu
     parser = make_parser()
     assert engine_options(parser.parse_args([])) == {"enable_chunked_prefill": True}  # the server's own default
     args = parser.parse_args(["--max-num-batched-tokens", "4096", "--kvcache-block-size", "32", "--enforce-eager",
-                              "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching", "--device", "cpu"])
+                              "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching", "--device", "cpu",
+                              "--attention-backend", "torch"])
     config = Config.from_kwargs(None, engine_options(args))
     assert (config.max_num_batched_tokens, config.kvcache_block_size, config.enforce_eager,
-            config.gpu_memory_utilization, config.enable_prefix_caching, config.device) == (4096, 32, True, 0.5,
-                                                                                              False, "cpu")
+            config.gpu_memory_utilization, config.enable_prefix_caching, config.device,
+            config.attention_backend) == (4096, 32, True, 0.5, False, "cpu", "torch")
 
 
 @pytest.mark.parametrize("module", ["fastapi", "uvicorn", "prometheus_client"])

@@ -138,6 +138,16 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, HEAD_DIM: tl.constexpr, BLOCK_D: t
     tl.store(out_ptr + row * HEAD_DIM + dims, out, mask=dims < HEAD_DIM)
 
 
+def tile_sizes(rows: int, head_dim: int, itemsize: int) -> tuple[int, int, int]:
+    """``BLOCK_M`` rows (no more than a sequence's rows need), ``BLOCK_N`` keys and ``BLOCK_D``: powers
+    of two of at least 16 (``tl.dot``'s least), tiles of at most 32 KB of queries and 16 KB of keys,
+    so that the pipelined tiles fit an A100's 164 KB of shared memory at head size 256 in float32."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m = max(16, min(64, triton.next_power_of_2(rows), 32768 // (block_d * itemsize)))
+    block_n = max(16, min(64, 16384 // (block_d * itemsize)))
+    return block_m, block_n, block_d
+
+
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, block_table,
                num_splits=1):
     """Launch ``_attention_kernel`` over q ``[num_tokens, H, D]`` (the last dimension contiguous)."""
@@ -151,9 +161,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
     else:  # paged: [num_blocks, block_size, Hk, D]
         page, stride_k, stride_v, stride_bt = k.shape[1], k.stride()[1:3], v.stride()[1:3], block_table.stride(0)
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "a key's head_dim values must be contiguous"
-    block_m = max(16, min(64, triton.next_power_of_2(max_seqlen_q * group)))
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = 32 if head_dim > 128 else 64  # keeps a tile of K, V and the scores in registers
+    block_m, block_n, block_d = tile_sizes(max_seqlen_q * group, head_dim, q.element_size())
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     parts = out if num_splits == 1 else torch.empty(num_tokens, num_heads, num_splits, head_dim,
                                                     dtype=torch.float32, device=q.device)

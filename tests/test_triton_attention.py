@@ -8,6 +8,10 @@ to split, float32 and bfloat16. On a GPU (marked ``cuda``) they run compiled, an
 CUDA graphs.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -133,6 +137,21 @@ def test_torch_backend_on_cpu_gives_the_default_paths_greedy_tokens(tiny_models)
     expected = LLM(tiny_models["llama"], dtype="float32").generate(PROMPTS, params, use_tqdm=False)
     got = LLM(tiny_models["llama"], dtype="float32", attention_backend="torch").generate(PROMPTS, params, use_tqdm=False)
     assert [r["token_ids"] for r in got] == [r["token_ids"] for r in expected]
+
+
+def test_triton_kernels_compile_for_a100_and_h100_within_their_shared_memory():
+    """Triton lowers to PTX and assembles it on the CPU: the compiled form of every kernel and tile
+    configuration the wrappers launch, checked without a GPU (tests/compile_triton_kernels.py)."""
+    pytest.importorskip("triton")
+    from triton.backends import backends
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no CUDA backend")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    result = subprocess.run([sys.executable, "tests/compile_triton_kernels.py"], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("sm_90 bf16 attention") == 8 and "sm_80 fp32 store_kvcache: ok" in result.stdout
 
 
 # -- compiled, on a GPU ------------------------------------------------------------------------------

@@ -157,13 +157,13 @@ class LLMEngine:
         if self.scheduler.is_finished():
             return []
         with interrupts_deferred():
-            seqs = self.scheduler.schedule()
+            seqs, blocks_to_copy = self.scheduler.schedule()
         # A step that computes any prompt token is a prefill step (with chunked prefill, decodes too).
         phase = "decode" if all(seq.is_decode for seq in seqs) else "prefill"
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         start = time.perf_counter()
         try:
-            out = self.model_runner.run(seqs, self.scheduler.blocks_to_copy)
+            out = self.model_runner.run(seqs, blocks_to_copy)
             with interrupts_deferred():
                 stepped = self.scheduler.postprocess(seqs, out.token_ids, out.logprobs, out.prompt_logprobs)
         except BaseException:

@@ -16,6 +16,7 @@ from typing import Callable
 from nanoengine.context import Context
 from nanoengine.llm import LLM
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.scheduler import ScheduledStep
 from nanoengine.sequence import Sequence, SequenceStatus
 
 # The demo: a KV cache of 8 blocks of 8 tokens, small enough that the third request is preempted.
@@ -53,12 +54,13 @@ class StepObserver:
             return input_ids, positions, self.ctx
         return prepare_and_keep
 
-    def _observe_schedule(self) -> list[Sequence]:
+    def _observe_schedule(self) -> ScheduledStep:
         scheduler = self.engine.scheduler
         was_running, was_waiting = list(scheduler.running), list(scheduler.waiting)
         preemptions, hits = scheduler.num_preemptions, scheduler.prefix_cache_hit_tokens
         why = self._why(scheduler, was_waiting)
-        seqs = self._schedule()
+        step = self._schedule()
+        seqs = step.seqs
         admitted = [seq for seq in seqs if seq in was_waiting]
         self.records.append({
             "step": len(self.records) + 1,
@@ -72,7 +74,7 @@ class StepObserver:
         if self.write is not None:
             preempted = [seq for seq in was_running if seq.status == SequenceStatus.WAITING]
             self._header(seqs, why, admitted, preempted)
-        return seqs
+        return step
 
     def _why(self, scheduler, waiting: list[Sequence]) -> str:
         """The rule that decides this step, read before the scheduler applies it."""

@@ -1,8 +1,9 @@
 """Chat with the default model (SmolLM2-135M-Instruct) through nanoengine's offline API.
 
-``python example.py --trace`` instead runs a small scenario step by step and prints what the
+``python example.py --trace`` instead runs a small scene step by step and prints what the
 scheduler decided and what the model runner built at each step (nanoengine/trace.py; read it
-beside docs/walkthrough.md). ``--model DIR --load-format dummy`` runs a model from its config.json
+beside docs/walkthrough.md): a preemption and prefix-cache hits; with ``--chunked``, chunked
+prefill's mixed steps; with ``--fork``, a request's two samples sharing blocks (copy on write). ``--model DIR --load-format dummy`` runs a model from its config.json
 alone, with random weights and token-id prompts: a check of a GPU that has nothing to download.
 """
 
@@ -24,14 +25,19 @@ def dummy_run(model: str) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", action="store_true", help="step through a small scenario instead")
+    parser.add_argument("--trace", action="store_true", help="step through a small scene instead")
+    scene = parser.add_mutually_exclusive_group()
+    scene.add_argument("--chunked", action="store_const", dest="scene", const="chunked", default="preemption",
+                       help="with --trace: chunked prefill, prompts in chunks beside running decodes")
+    scene.add_argument("--fork", action="store_const", dest="scene", const="fork",
+                       help="with --trace: a request with n=2, its samples sharing blocks, copy on write")
     parser.add_argument("--model", help="an HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights, for a model directory that holds only its config.json")
     args = parser.parse_args()
     if args.trace:
-        from nanoengine.trace import DEMO_OPTIONS, demo
-        demo(LLM(**DEMO_OPTIONS))
+        from nanoengine.trace import SCENE_OPTIONS, demo
+        demo(LLM(**SCENE_OPTIONS[args.scene]), scene=args.scene)
         return
     if args.load_format == "dummy":
         dummy_run(args.model)

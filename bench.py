@@ -75,37 +75,42 @@ def hf_throughputs(config, prompts, output_lens, dtype: torch.dtype, device: tor
 
 
 def plot_timeline(records: list[dict], path: str, title: str) -> None:
-    """Per step: the batch (prompt tokens computed, sequences decoding), the KV blocks in use against
-    the cache's size, and the steps that preempted or read prompts from the prefix cache."""
+    """Per step, one panel each: prompt tokens computed (a log scale, so that the first prefill,
+    hundreds of tokens, does not flatten the later ones), sequences decoding, KV blocks in use against
+    the cache's size, and the steps that preempted or read prompts from the prefix cache. Legends sit
+    outside the panels, never over the data."""
     import matplotlib
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    fig, (batch, blocks, events) = plt.subplots(3, 1, sharex=True, figsize=(10, 7), height_ratios=[2, 2, 1])
-    batch.bar(steps, [r["prefill_tokens"] for r in records], width=1.0, color="tab:orange", label="prompt tokens")
-    batch.set_ylabel("prompt tokens")
-    decode = batch.twinx()
-    decode.plot(steps, [r["decode_seqs"] for r in records], color="tab:blue", label="decoding sequences")
-    decode.set_ylabel("decoding sequences")
-    batch.legend(handles=batch.get_legend_handles_labels()[0] + decode.get_legend_handles_labels()[0],
-                 loc="upper right")
-    batch.set_title(title)
+    fig, (prompt, decode, blocks, events) = plt.subplots(4, 1, sharex=True, figsize=(11, 8),
+                                                         height_ratios=[2, 1.5, 2, 1.2])
+    prompt.bar(steps, [r["prefill_tokens"] for r in records], width=1.0, color="tab:orange",
+               label="prompt tokens computed")
+    prompt.set_yscale("log")
+    prompt.set_ylim(bottom=1)
+    prompt.set_ylabel("prompt tokens")
+    prompt.set_title(title)
+    decode.step(steps, [r["decode_seqs"] for r in records], where="mid", color="tab:blue",
+                label="sequences decoding")
+    decode.set_ylim(bottom=0)
+    decode.set_ylabel("sequences")
     blocks.fill_between(steps, [r["kv_blocks_used"] for r in records], step="mid", color="tab:green", alpha=0.5,
                         label="KV blocks in use")
     blocks.axhline(records[0]["num_kv_blocks"], color="black", linestyle="--", label="KV blocks in the cache")
     blocks.set_ylim(bottom=0)
     blocks.set_ylabel("KV blocks")
-    blocks.legend(loc="lower right")
     events.bar(steps, [r["prefix_hit_tokens"] for r in records], width=1.0, color="tab:purple",
-               label="prompt tokens from the prefix cache")
+               label="prompt tokens from\nthe prefix cache")
     events.set_ylabel("cached tokens")
     preempted = [(s, r["preemptions"]) for s, r in zip(steps, records) if r["preemptions"]]
     for s, _ in preempted:
         events.axvline(s, color="tab:red", alpha=0.6)
-    events.plot([], [], color="tab:red", label=f"preemption ({sum(n for _, n in preempted)} in all)")
-    events.legend(loc="upper right")
+    events.plot([], [], color="tab:red", label=f"preemption\n({sum(n for _, n in preempted)} in all)")
     events.set_xlabel("engine step")
+    for ax in (prompt, decode, blocks, events):
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -99,8 +99,8 @@ class Config:
         if kernels == "flash-attn" and not cuda:
             raise ValueError("attention_backend='flash-attn' needs a CUDA device; on CPU leave it 'auto'")
         if kernels == "flash-attn" and importlib.util.find_spec("flash_attn") is None:
-            raise ValueError("attention_backend='flash-attn' but flash-attn is not installed: build it as the "
-                             "README's GPU section says, or pass attention_backend='triton'")
+            raise ValueError("attention_backend='flash-attn' but flash-attn is not installed: build it as "
+                             "docs/gpu.md says, or pass attention_backend='triton'")
         if kernels == "flash-attn" and self.dtype == "float32":
             raise ValueError("dtype='float32' cannot run with flash-attn, which takes float16 or bfloat16 "
                              "(attention_backend='triton' takes float32)")

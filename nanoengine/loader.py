@@ -257,7 +257,7 @@ def load_weights(model: nn.Module, path: str) -> None:
     Each shard of a fused projection is a tensor of its own: a checkpoint without ``v_proj`` is
     refused, not run with random V. Shapes must match exactly, as ``copy_`` would broadcast a
     ``[1]`` norm weight across the whole row without complaint. A module that holds only part of a
-    tensor (tensor parallelism: layers.py) says which part (``checkpoint_part``), and only the rows
+    tensor (tensor parallelism: linear.py) says which part (``checkpoint_part``), and only the rows
     that part spans are read from disk (for a rank's columns, every row).
     """
     params = dict(model.named_parameters())

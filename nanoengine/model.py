@@ -5,7 +5,7 @@ normalises each query and key head (RMSNorm over head_dim) before the rotary emb
 Tokens of all sequences in a step are packed into one flat batch, ``[num_tokens, hidden]``:
 there is no padding anywhere in the model; the ``Context`` tells attention where sequences start.
 
-With tensor parallelism (``tp``, see layers.py for the splits) a rank holds ``1/size`` of the
+With tensor parallelism (``tp``, see linear.py for the splits) a rank holds ``1/size`` of the
 attention heads, of the MLP's intermediate features and of the vocabulary. When there are fewer
 kv heads than ranks, each kv head is held by ``size / num_kv_heads`` ranks (as in vLLM): a rank
 keeps the one kv head its query heads read.
@@ -17,8 +17,8 @@ from transformers import PretrainedConfig
 
 from nanoengine.attention import Attention
 from nanoengine.context import Context
-from nanoengine.layers import (PackedLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul,
-                               VocabParallelEmbedding)
+from nanoengine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from nanoengine.linear import PackedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from nanoengine.parallel import Shard, TensorParallelGroup
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")

@@ -26,7 +26,8 @@ from nanoengine.config import Config
 from nanoengine.context import Context
 from nanoengine.cpu_library import cpu_features, load
 from nanoengine.graph_runner import DecodeGraphRunner
-from nanoengine.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from nanoengine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from nanoengine.linear import Linear
 from nanoengine.loader import load_dummy_weights, load_weights
 from nanoengine.model import CausalLM
 from nanoengine.parallel import TensorParallelGroup

@@ -10,51 +10,24 @@ cache (its kv heads); rank 0's also sends each step's inputs to the others (``co
 which run ``execute_model`` on them (worker.py).
 """
 
-import contextlib
-import ctypes
 import dataclasses
-import math
-import mmap
 
 import torch
-from torch.overrides import TorchFunctionMode
 from transformers import PretrainedConfig
 
-from nanoengine import cpu_kernels, quantization
 from nanoengine.attention import Attention, get_backend
 from nanoengine.config import Config
 from nanoengine.context import Context
-from nanoengine.cpu_library import cpu_features, load
+from nanoengine.cpu_runtime import keep_freed_memory_for_reuse, use_cpu_kernels, zeros
 from nanoengine.graph_runner import DecodeGraphRunner
-from nanoengine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-from nanoengine.linear import Linear
+from nanoengine.linear import quantize_linears
 from nanoengine.loader import load_dummy_weights, load_weights
-from nanoengine.model import CausalLM
+from nanoengine.model import build_model
 from nanoengine.parallel import TensorParallelGroup
 from nanoengine.sampler import Sampler, SamplerOutput, compute_logprobs
 from nanoengine.sequence import Sequence
 
 CPU_KVCACHE_BYTES = 1 << 30  # the RAM budget for the KV cache on CPU
-
-
-def keep_freed_memory_for_reuse() -> None:
-    """On CPU, stop glibc's malloc from handing large freed buffers back to the kernel.
-
-    Every step allocates the same large activations again (a prefill's MLP output alone is tens
-    of MB). By default glibc serves such sizes with a fresh ``mmap`` and unmaps them on free, so
-    each step pays a page fault per 4 KiB touched; measured here, that made SiLU and the
-    element-wise products of prefill 3-10x slower than the arithmetic, and the whole benchmark
-    ~20% slower. Raising the mmap and trim thresholds keeps freed memory in the heap, where the
-    next step finds it already mapped; the cost is that resident memory stays at its peak.
-    A no-op where the C library is not glibc.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
-        libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
-    except (OSError, AttributeError):
-        pass
 
 
 def kvcache_budget_bytes(total: int, free: int, torch_reserved: int, torch_peak: int, graph_pool: int,
@@ -81,72 +54,6 @@ def warmup_lengths(num_tokens: int, max_num_seqs: int, max_model_len: int) -> li
     return [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    """Create parameters directly in ``dtype``: building in float32 and casting would hold twice
-    the weights' final size at the peak. Restored on exit, so the process's default is untouched."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-class skip_weight_init(TorchFunctionMode):
-    """Build a model without ``torch.nn.init``'s random fills: ``load_weights`` overwrites every
-    weight next, so filling them first is wasted work (0.8 s of ``kaiming_uniform_`` for the default
-    model's 135M weights). Only ``torch.nn.init``'s functions are skipped; the rest of construction
-    (norm weights of ones, the rotary table, which is computed rather than loaded) runs as usual. Like
-    ``torch.device(...)``, a mode holds only in the block and the thread that enter it."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__module__", None) == "torch.nn.init":
-            return kwargs["tensor"]  # nn.init hands the tensor over by keyword
-        return func(*args, **kwargs)
-
-
-def use_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Point the model's RMSNorms, SiLU-and-muls and rotary embedding at the C++ kernels, if they
-    build for ``dtype``; in bf16 on a CPU with AVX512-BF16, its linear layers too."""
-    if dtype not in cpu_kernels.DTYPES or load("cpu_layers.cpp") is None:
-        return
-    kernels = {RMSNorm: cpu_kernels.add_rms_norm, SiluAndMul: cpu_kernels.silu_and_mul,
-               RotaryEmbedding: cpu_kernels.rotary}
-    packs_linears = (dtype == torch.bfloat16 and "avx512_bf16" in cpu_features().split()
-                     and load("cpu_linear.cpp") is not None)
-    for module in model.modules():
-        if type(module) in kernels:
-            module.kernel = kernels[type(module)]
-        elif packs_linears and isinstance(module, Linear) and not module.quantized and module.in_features % 2 == 0:
-            module.use_cpu_kernel()
-
-
-def quantize_linears(model: torch.nn.Module, fmt: str) -> None:
-    """Switch every linear layer to weights in ``fmt`` where the kernel takes its shape
-    (quantization.can_quantize); the rest keep theirs. The LM head is never below int8 (as llama.cpp
-    keeps its output tensor wider): in int4 it cost the default model 8% perplexity, in int8 0.5%."""
-    for name, module in model.named_modules():
-        layer_fmt = "int8" if name == "lm_head" else fmt
-        if isinstance(module, Linear) and quantization.can_quantize(module.out_features, module.in_features):
-            module.quantize(layer_fmt)
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.zeros``, but on CPU in fresh anonymous memory (``mmap``), which the kernel hands out as
-    zero pages, each faulted in when first written: the 1 GiB CPU KV cache is ready at once (filling
-    it with zeros took 1-1.6 s here) and takes RAM only for blocks that have held tokens; the step
-    that first fills a block pays for its pages instead. Unlike memory from the heap, it never holds
-    a freed tensor's bytes, and it goes back to the kernel when the tensor is freed."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    # Private, as heap memory is: Python's default for an anonymous map is shared, which here took
-    # 1.5x as long to fault in and would be written through by a forked child.
-    buffer = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps it alive
-
-
 def kvcache_block_size(requested: int | None, attention_kernels: str) -> int:
     """The KV block size: 256 for flash-attn (its paged KV cache needs pages of a multiple of 256),
     else 16, which lets the prefix cache share prompts at a finer grain."""
@@ -165,9 +72,7 @@ class ModelRunner:
         self.block_size = kvcache_block_size(config.kvcache_block_size, config.attention_kernels)
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
-        # RotaryEmbedding's angle table names float32 itself, so it stays float32 in here.
-        with torch.device(self.device), default_dtype(self.dtype), skip_weight_init():
-            self.model = CausalLM(hf_config, max_position=config.max_model_len, tp=tp).eval()
+        self.model = build_model(hf_config, config.max_model_len, tp, self.device, self.dtype)
         if config.load_format == "dummy":
             load_dummy_weights(self.model)
         else:

@@ -64,14 +64,14 @@ class LLMEngine:
         config.resolve_limits(hf_config.max_position_embeddings)
         # Tensor parallelism: the other ranks start first, and load their shards as this one loads its own.
         self.workers = start_workers(config, hf_config, path) if config.tensor_parallel_size > 1 else None
+        eos_token_ids = load_eos_token_ids(path, hf_config, self.tokenizer)
         try:
-            self.model_runner = ModelRunner(config, hf_config, path, self.workers and self.workers.group)
+            self.model_runner = ModelRunner(config, hf_config, path, self.workers and self.workers.group, eos_token_ids)
         except BaseException:
             if self.workers is not None:
                 self.workers.shutdown()
             raise
         config.fit_to_kvcache(self.model_runner.num_kvcache_blocks, self.model_runner.block_size)
-        eos_token_ids = load_eos_token_ids(path, hf_config, self.tokenizer)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.model_runner.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -128,6 +128,8 @@ class LLMEngine:
         if sampling_params.stop and self.tokenizer is None:  # stop strings are found in the text
             raise ValueError("stop strings need text: the engine has no tokenizer (skip_tokenizer_init=True); "
                              "use stop_token_ids")
+        if bad := [t for t in sampling_params.logit_bias if t >= self.vocab_size]:
+            raise ValueError(f"logit_bias names token ids {bad[:5]} outside the model's vocabulary [0, {self.vocab_size})")
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Queue a request; returns its id. The prompt is checked before anything is queued."""

@@ -19,7 +19,8 @@ def openai_penalties(presence: float, frequency: float, prompt_len: int):
     """OpenAI's definition, over the generated tokens only: logit -= frequency * count + presence * (count > 0)."""
     def process(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         counts = torch.zeros_like(scores)
-        counts.scatter_add_(1, input_ids[:, prompt_len:], torch.ones_like(input_ids[:, prompt_len:], dtype=scores.dtype))
+        completion = input_ids[:, prompt_len:]
+        counts.scatter_add_(1, completion, torch.ones_like(completion, dtype=scores.dtype))
         return scores - (frequency * counts + presence * (counts > 0))
     return process
 
@@ -143,7 +144,8 @@ def hf_processors(params: dict, prompt_len: int, eos: int) -> list:
     if params.get("min_tokens"):
         procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, params["min_tokens"], eos))
     if params.get("presence_penalty") or params.get("frequency_penalty"):
-        procs.append(openai_penalties(params.get("presence_penalty", 0), params.get("frequency_penalty", 0), prompt_len))
+        procs.append(openai_penalties(params.get("presence_penalty", 0), params.get("frequency_penalty", 0),
+                                      prompt_len))
     return procs
 
 

@@ -134,9 +134,10 @@ class LLMEngine:
         if sampling_params.stop and self.tokenizer is None:  # stop strings are found in the text
             raise ValueError("stop strings need text: the engine has no tokenizer (skip_tokenizer_init=True); "
                              "use stop_token_ids")
-        if bad := [t for t in sampling_params.logit_bias if t >= self.vocab_size]:
-            raise ValueError(f"logit_bias names token ids {bad[:5]} outside the model's vocabulary "
-                             f"[0, {self.vocab_size})")
+        for field in ("logit_bias", "stop_token_ids"):  # min_tokens masks stop tokens in the logits
+            if bad := [t for t in getattr(sampling_params, field) if not 0 <= t < self.vocab_size]:
+                raise ValueError(f"{field} names token ids {bad[:5]} outside the model's vocabulary "
+                                 f"[0, {self.vocab_size})")
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Queue a request; returns its id. The prompt is checked before anything is queued."""

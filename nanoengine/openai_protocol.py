@@ -15,7 +15,7 @@ import json
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 from nanoengine.sampling_params import SamplingParams
 
@@ -104,6 +104,12 @@ class OpenAIRequest(Schema):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+
+    @field_validator("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI's API takes null for these, meaning the default, and some clients send it."""
+        return cls.model_fields[info.field_name].default if value is None else value
 
 
 class CompletionRequest(OpenAIRequest):

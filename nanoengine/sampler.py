@@ -1,18 +1,19 @@
 """Turning the last position's logits into the next token of every sequence in the batch.
 
 First each row's logits processors (logit bias, min_tokens, penalties: logits_processors.py).
-Then greedy rows (temperature 0) take the argmax. The others are scaled by their temperature, cut
-to their min-p, then their top-k, then their nucleus (the smallest set of most likely tokens whose probability
-reaches top_p; the most likely token always stays), and sampled by inverting the cumulative
-distribution with one uniform number per row. (Drawing a noise value per vocabulary entry, as
-the exponential-race trick does, costs more than the whole decode matmul budget on a CPU.)
+Then greedy rows (temperature 0) take the argmax. The others are scaled by their temperature,
+cut to their min-p, their top-k, then their nucleus (the smallest set of most likely tokens
+whose probability reaches top_p; the most likely token always stays), and sampled by inverting
+the cumulative distribution with one uniform number per row. (Drawing a noise value per
+vocabulary entry, as the exponential-race trick does, costs more than the whole decode matmul
+budget on a CPU.)
 A seeded row draws its number from its own generator, keyed by the seed and the token's
 position, so it samples the same tokens whatever else is in the batch, and again after a
 preemption's recompute.
 
-Logprobs, when a sequence asks for them, are the log-softmax of the raw logits (before
-temperature, top-k and top-p, as vLLM returns them), computed only for the rows that ask, so a
-batch where none does pays nothing.
+Logprobs, when a sequence asks for them, are the log-softmax of the raw logits (before the
+logits processors, temperature, min-p, top-k and top-p, as vLLM returns them), computed only for
+the rows that ask, so a batch where none does pays nothing.
 """
 
 from dataclasses import dataclass

@@ -17,7 +17,7 @@ class SamplingParams:
     ``n`` samples share the prompt's computation and KV blocks. ``logprobs=k`` returns, for each
     sampled token, its logprob and the ``k`` most likely tokens' (``0``: the sampled token's
     only); ``prompt_logprobs=k`` the same for every prompt token. Logprobs are those of the
-    model's raw distribution, before temperature, top-k and top-p. Generation stops at a
+    model's raw distribution, before any of the processing below, temperature, top-k and top-p. Generation stops at a
     ``stop`` string (the text is cut before it) or a token of ``stop_token_ids``.
 
     What a request may change in the logits before sampling, with vLLM's names and bounds

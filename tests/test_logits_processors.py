@@ -238,7 +238,9 @@ def test_invalid_logits_processing_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
-def test_logit_bias_outside_the_vocabulary_is_refused_before_anything_is_queued(llm):
-    with pytest.raises(ValueError, match="logit_bias"):
-        llm.generate(PROMPTS[:1], SamplingParams(logit_bias={llm.vocab_size: 1.0}), use_tqdm=False)
+@pytest.mark.parametrize("field", ["logit_bias", "stop_token_ids"])
+def test_token_ids_outside_the_vocabulary_are_refused_before_anything_is_queued(llm, field):
+    ids = {"logit_bias": {llm.vocab_size: 1.0}, "stop_token_ids": [llm.vocab_size]}[field]
+    with pytest.raises(ValueError, match=field):
+        llm.generate(PROMPTS[:1], SamplingParams(min_tokens=2, **{field: ids}), use_tqdm=False)
     assert not llm.has_unfinished_requests()

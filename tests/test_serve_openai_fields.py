@@ -109,6 +109,16 @@ def test_a_value_nanoengine_cannot_honour_is_refused_saying_why(client, model_na
     assert error["param"] == field and reason in error["message"]
 
 
+def test_null_means_the_default(server, llm):
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "stop",
+                           "logit_bias", "logprobs", "user"])
+    body = {"prompt": "Tell me about the sea", "max_tokens": 6, "seed": 3, **nulls}
+    response = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    expected = offline(llm, ["Tell me about the sea"], max_tokens=6, seed=3)[0]["text"]
+    assert response.json()["choices"][0]["text"] == expected
+
+
 def test_tools_not_parallel_tool_calls_are_what_a_tool_call_is_refused_for():
     body = {"messages": MESSAGES, "parallel_tool_calls": False, "tools": [{"type": "function"}]}
     with pytest.raises(ValidationError) as info:

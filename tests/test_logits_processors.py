@@ -98,9 +98,9 @@ def test_a_batch_without_processing_builds_nothing_and_keeps_its_logits():
 def test_min_p_keeps_what_hfs_min_p_warper_keeps(min_p, temperature):
     logits, _, _ = batch(vocab=5000)
     ours = Sampler._min_p(logits / temperature, [min_p] * len(logits))
-    reference = MinPLogitsWarper(min_p)(None, logits / temperature) if min_p else logits / temperature
+    reference = MinPLogitsWarper(min_p)(None, logits / temperature)
     assert torch.equal(ours.isfinite(), reference.isfinite())
-    assert 0 < ours.isfinite().sum() < (logits.numel() if min_p else logits.numel() + 1)
+    assert (ours.isfinite().sum() < logits.numel()) == (min_p > 0)  # something is cut, unless min_p is 0
 
 
 def test_min_p_filters_only_its_rows_and_is_sampled_from():

@@ -10,6 +10,8 @@ lengths uniform in 100..1024, prompt ids uniform in 0..10000, max_model_len 4096
 ``--load-format dummy`` runs a model directory that holds only its config.json (tests/data keeps
 Qwen3-0.6B's), with random weights: throughput does not depend on their values.
 ``--timeline PATH.png`` plots the run step by step (needs matplotlib: ``pip install -e ".[plot]"``).
+``--penalties`` gives every request a repetition penalty of 1.1 and presence and frequency penalties
+of 0.5, to measure what the logits processors cost.
 """
 
 import argparse
@@ -160,6 +162,8 @@ def main():
                         help="auto: flash-attn on CUDA where installed, else Triton; the C++ kernels on CPU")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: random weights, for a model directory with only its config.json")
+    parser.add_argument("--penalties", action="store_true",
+                        help="every request with repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5")
     args = parser.parse_args()
     resolve_workload(parser, args)
     if args.timeline:
@@ -175,7 +179,8 @@ def main():
               enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
               tensor_parallel_size=args.tensor_parallel_size, num_kvcache_blocks=args.num_kvcache_blocks)
     prompts, output_lens = make_requests(args, llm.vocab_size)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
+    penalties = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5) if args.penalties else {}
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **penalties) for n in output_lens]
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     observer = StepObserver(llm) if args.timeline else None  # counts per step, after the warm-up
     before = llm.stats()

@@ -13,6 +13,7 @@ itself runs (``interrupts_deferred``), so it can never land between two related 
 model's forward stays interruptible.
 """
 
+import inspect
 import signal
 import threading
 import time
@@ -64,14 +65,14 @@ class LLMEngine:
         config.resolve_limits(hf_config.max_position_embeddings)
         # Tensor parallelism: the other ranks start first, and load their shards as this one loads its own.
         self.workers = start_workers(config, hf_config, path) if config.tensor_parallel_size > 1 else None
+        eos_token_ids = load_eos_token_ids(path, hf_config, self.tokenizer)
         try:
-            self.model_runner = ModelRunner(config, hf_config, path, self.workers and self.workers.group)
+            self.model_runner = ModelRunner(config, hf_config, path, self.workers and self.workers.group, eos_token_ids)
         except BaseException:
             if self.workers is not None:
                 self.workers.shutdown()
             raise
         config.fit_to_kvcache(self.model_runner.num_kvcache_blocks, self.model_runner.block_size)
-        eos_token_ids = load_eos_token_ids(path, hf_config, self.tokenizer)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.model_runner.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -102,19 +103,24 @@ class LLMEngine:
                              f"{self.config.max_model_len}")
         return token_ids
 
-    def chat_prompt(self, conversation: list[dict]) -> list[int]:
+    def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
         """A conversation's prompt token ids: the tokenizer's chat template with the generation prompt.
 
         Tokenized by the template itself, which writes BOS and the like: rendering it to text and
-        encoding that with special tokens would put a second BOS in front.
+        encoding that with special tokens would put a second BOS in front. ``chat_template_kwargs``
+        are the template's own variables, as vLLM passes them (Qwen3's ``enable_thinking``).
         """
         if not isinstance(conversation, list) or not conversation or not all(isinstance(m, dict) for m in conversation):
             raise ValueError("a conversation must be a non-empty list of {'role', 'content'} dicts")
         if self.tokenizer is None:
             raise ValueError("chat needs the tokenizer's chat template: the engine has none (skip_tokenizer_init=True)")
+        variables = dict(chat_template_kwargs or {})
+        if taken := sorted(variables.keys() & inspect.signature(self.tokenizer.apply_chat_template).parameters.keys()):
+            raise ValueError(f"chat_template_kwargs may set only the template's variables, not {taken} "
+                             "(arguments of apply_chat_template itself)")
         try:
             token_ids = self.tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True,
-                                                           return_dict=False)
+                                                           return_dict=False, **variables)
         except TemplateError as e:  # templates may reject a conversation, e.g. roles out of order
             raise ValueError(f"the chat template rejected the messages: {e}") from e
         return self.tokenize(list(token_ids))
@@ -128,6 +134,10 @@ class LLMEngine:
         if sampling_params.stop and self.tokenizer is None:  # stop strings are found in the text
             raise ValueError("stop strings need text: the engine has no tokenizer (skip_tokenizer_init=True); "
                              "use stop_token_ids")
+        for field in ("logit_bias", "stop_token_ids"):  # min_tokens masks stop tokens in the logits
+            if bad := [t for t in getattr(sampling_params, field) if not 0 <= t < self.vocab_size]:
+                raise ValueError(f"{field} names token ids {bad[:5]} outside the model's vocabulary "
+                                 f"[0, {self.vocab_size})")
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Queue a request; returns its id. The prompt is checked before anything is queued."""

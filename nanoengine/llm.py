@@ -60,14 +60,16 @@ class LLM(LLMEngine):
         return results
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams],
-             use_tqdm: bool = True) -> list[dict]:
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[dict]:
         """``generate`` on one conversation (a list of ``{"role", "content"}``) or a list of them,
-        each rendered by the tokenizer's chat template with the generation prompt."""
+        each rendered by the tokenizer's chat template with the generation prompt (and the
+        template's variables in ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``)."""
         conversations = [messages] if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
             else messages
         if not isinstance(conversations, list) or not conversations:
             raise ValueError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
-        return self.generate([self.chat_prompt(c) for c in conversations], sampling_params, use_tqdm)
+        return self.generate([self.chat_prompt(c, chat_template_kwargs) for c in conversations], sampling_params,
+                             use_tqdm)
 
     def beam_search(self, prompts: list[str] | list[list[int]], params: BeamSearchParams) -> list[dict]:
         """The ``beam_width`` best completions of each prompt, best first (see beam_search.py)."""

@@ -22,6 +22,7 @@ from nanoengine.cpu_runtime import keep_freed_memory_for_reuse, use_cpu_kernels,
 from nanoengine.graph_runner import DecodeGraphRunner
 from nanoengine.linear import quantize_linears
 from nanoengine.loader import load_dummy_weights, load_weights
+from nanoengine.logits_processors import build_logits_processors
 from nanoengine.model import build_model
 from nanoengine.parallel import TensorParallelGroup
 from nanoengine.sampler import Sampler, SamplerOutput, compute_logprobs
@@ -67,8 +68,9 @@ def kvcache_block_size(requested: int | None, attention_kernels: str) -> int:
 
 class ModelRunner:
     def __init__(self, config: Config, hf_config: PretrainedConfig, model_path: str,
-                 tp: TensorParallelGroup | None = None):
+                 tp: TensorParallelGroup | None = None, eos_token_ids: set[int] = frozenset()):
         self.device, self.dtype, self.tp = config.torch_device, config.torch_dtype, tp
+        self.eos_token_ids = eos_token_ids  # held back by min_tokens (only rank 0 samples)
         self.block_size = kvcache_block_size(config.kvcache_block_size, config.attention_kernels)
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
@@ -249,9 +251,13 @@ class ModelRunner:
         if len(rows) > len(seqs):  # a request's first sample: n rows from its one row of logits
             counts = torch.tensor([len(seq.sample_indices) for seq in seqs], device=logits.device)
             logits = logits.repeat_interleave(counts, dim=0)
+        # A row per sample: at a request's first sample, its n rows share the (empty) completion.
+        processors = build_logits_processors(
+            [(seq.sampling_params, seq.token_ids, seq.num_prompt_tokens, seq.output_token_counts)
+             for seq in seqs for _ in seq.sample_indices], self.eos_token_ids, logits.device)
         token_ids = self.sampler(logits, [p.temperature for p, _, _ in rows], [p.top_k for p, _, _ in rows],
                                  [p.top_p for p, _, _ in rows], [p.sample_seed(i) for p, i, _ in rows],
-                                 [n for _, _, n in rows])
+                                 [n for _, _, n in rows], [p.min_p for p, _, _ in rows], processors)
         logprobs = None
         if any(p.logprobs is not None for p, _, _ in rows):
             logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p, _, _ in rows])

@@ -129,7 +129,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             if chat and req.stream:
                 content = {"delta": {"content": text} if text else {}}
             else:
-                content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+                message = {"role": "assistant", "content": text, "refusal": None}
+                content = {"message": message} if chat else {"text": text}
             return {"index": index, "logprobs": logprobs_json, "finish_reason": finish_reason, **content}
 
         async def whole() -> dict:
@@ -146,7 +147,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
                 stream.abort()
             choices = [choice(i, "".join(texts[i]), finish_reasons[i], token_logprobs[i], 0) for i in range(req.n)]
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                    "usage": usage()}
+                    "usage": usage(), "system_fingerprint": None}  # as vLLM sends it
 
         if not req.stream:
             return await unless_disconnected(request, whole())
@@ -196,18 +197,25 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             raise BadRequest("messages must not be empty", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-        prompt_ids = await asyncio.to_thread(engine.chat_prompt, [{"role": m.role, "content": m.text}
-                                                                  for m in req.messages])
+        prompt_ids = await asyncio.to_thread(engine.chat_prompt, [m.for_template() for m in req.messages],
+                                             req.chat_template_kwargs)
         # Unset means "until the context is full", as OpenAI's chat API does.
         max_tokens = next((m for m in (req.max_tokens, req.max_completion_tokens) if m is not None),
                           max(1, max_model_len - len(prompt_ids)))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return await generate(request, req, prompt_ids, max_tokens, chat=True, logprobs=logprobs, clock=clock)
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoengine", "max_model_len": max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "nanoengine", "max_model_len": max_model_len}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")  # a served name may hold slashes ("org/model")
+    async def model(model_id: str):
+        if model_id != model_name:
+            return JSONResponse(error_body(f"The model `{model_id}` does not exist.", param="model"), status_code=404)
+        return card
 
     @app.get("/health")
     async def health():

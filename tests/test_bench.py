@@ -14,7 +14,7 @@ def test_bench_prints_nano_vllm_final_line_and_json(tiny_models, tmp_path):
     cmd = [sys.executable, "bench.py", "--model", tiny_models["llama"], "--num-seqs", "6", "--min-input-len", "8",
            "--max-input-len", "24", "--min-output-len", "4", "--max-output-len", "12", "--dtype", "float32",
            "--device", "cpu",  # a subprocess escapes conftest's pin; float32 is CPU-only
-           "--compare-hf", "--json", str(out_json)]
+           "--compare-hf", "--penalties", "--json", str(out_json)]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     last = result.stdout.strip().splitlines()[-1]

@@ -18,6 +18,41 @@ def _triton_interprets() -> bool:
     return knobs.runtime.interpret
 
 
+def kvcache_budget_bytes(total: int, free: int, torch_reserved: int, torch_peak: int, graph_pool: int,
+                         utilization: float) -> int:
+    """Bytes left for the KV cache on a GPU, from memory figures taken after the warm-up.
+
+    Our share is ``total * utilization``. From it come: what lives outside PyTorch's allocator
+    (``total - free - torch_reserved``: the CUDA context, library workspaces, other processes; a
+    process already using part of the GPU shrinks our share rather than being overrun), this
+    process's peak of tensors (weights plus the largest step's activations), and room for the
+    CUDA-graph pool, which is allocated after the cache because graphs capture its address.
+    """
+    outside_torch = total - free - torch_reserved
+    return int(total * utilization) - outside_torch - torch_peak - graph_pool
+
+
+def warmup_lengths(num_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
+    """Prompt lengths for the warm-up: the largest step the scheduler can form.
+
+    All ``num_tokens`` of the step's budget, in as many sequences as a step may hold (each one
+    logit row), none longer than ``max_model_len`` (the rotary table's length).
+    """
+    num_seqs = max(min(max_num_seqs, num_tokens), -(-num_tokens // max_model_len))
+    return [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+
+
+def kvcache_block_size(requested: int | None, attention_kernels: str) -> int:
+    """The KV block size: 256 for flash-attn (its paged KV cache needs pages of a multiple of 256),
+    else 16, which lets the prefix cache share prompts at a finer grain."""
+    flash_attn = attention_kernels == "flash-attn"
+    block_size = requested or (256 if flash_attn else 16)
+    if flash_attn and block_size % 256:
+        raise ValueError(f"kvcache_block_size={block_size}: flash-attn's paged KV cache needs a multiple of 256 "
+                         "(leave it unset for 256, or pass attention_backend='triton')")
+    return block_size
+
+
 @dataclass
 class Config:
     model: str | None = None

@@ -16,7 +16,7 @@ import torch
 from transformers import PretrainedConfig
 
 from nanoengine.attention import Attention, get_backend
-from nanoengine.config import Config
+from nanoengine.config import Config, kvcache_block_size, kvcache_budget_bytes, warmup_lengths
 from nanoengine.context import Context
 from nanoengine.cpu_runtime import keep_freed_memory_for_reuse, use_cpu_kernels, zeros
 from nanoengine.graph_runner import DecodeGraphRunner
@@ -25,45 +25,10 @@ from nanoengine.loader import load_dummy_weights, load_weights
 from nanoengine.logits_processors import build_logits_processors
 from nanoengine.model import build_model
 from nanoengine.parallel import TensorParallelGroup
-from nanoengine.sampler import Sampler, SamplerOutput, compute_logprobs
+from nanoengine.sampler import LogitRows, Sampler, SamplerOutput, compute_logprobs
 from nanoengine.sequence import Sequence
 
 CPU_KVCACHE_BYTES = 1 << 30  # the RAM budget for the KV cache on CPU
-
-
-def kvcache_budget_bytes(total: int, free: int, torch_reserved: int, torch_peak: int, graph_pool: int,
-                         utilization: float) -> int:
-    """Bytes left for the KV cache on a GPU, from memory figures taken after the warm-up.
-
-    Our share is ``total * utilization``. From it come: what lives outside PyTorch's allocator
-    (``total - free - torch_reserved``: the CUDA context, library workspaces, other processes; a
-    process already using part of the GPU shrinks our share rather than being overrun), this
-    process's peak of tensors (weights plus the largest step's activations), and room for the
-    CUDA-graph pool, which is allocated after the cache because graphs capture its address.
-    """
-    outside_torch = total - free - torch_reserved
-    return int(total * utilization) - outside_torch - torch_peak - graph_pool
-
-
-def warmup_lengths(num_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
-    """Prompt lengths for the warm-up: the largest step the scheduler can form.
-
-    All ``num_tokens`` of the step's budget, in as many sequences as a step may hold (each one
-    logit row), none longer than ``max_model_len`` (the rotary table's length).
-    """
-    num_seqs = max(min(max_num_seqs, num_tokens), -(-num_tokens // max_model_len))
-    return [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-
-
-def kvcache_block_size(requested: int | None, attention_kernels: str) -> int:
-    """The KV block size: 256 for flash-attn (its paged KV cache needs pages of a multiple of 256),
-    else 16, which lets the prefix cache share prompts at a finer grain."""
-    flash_attn = attention_kernels == "flash-attn"
-    block_size = requested or (256 if flash_attn else 16)
-    if flash_attn and block_size % 256:
-        raise ValueError(f"kvcache_block_size={block_size}: flash-attn's paged KV cache needs a multiple of 256 "
-                         "(leave it unset for 256, or pass attention_backend='triton')")
-    return block_size
 
 
 class ModelRunner:
@@ -220,47 +185,34 @@ class ModelRunner:
         if blocks_to_copy:
             ctx.blocks_to_copy = self._tensor(blocks_to_copy, torch.int64)
         logits = self.compute_logits(input_ids, positions, ctx)
+        rows = LogitRows.of([len(seq.prompt_logprob_positions) if seq.needs_prompt_logprobs else None for seq in seqs],
+                            [len(seq.sample_indices) if seq.samples else 0 for seq in seqs])
         prompt_logprobs = None
-        if any(seq.needs_prompt_logprobs for seq in seqs):  # rows per sequence: prompt positions, then its sample
-            prompt_logprobs, sample_rows, row = [], [], 0
-            for seq in seqs:
-                span = seq.prompt_logprob_positions
-                targets = torch.tensor(seq.token_ids[span.start + 1:span.stop + 1], device=logits.device)
-                prompt_logprobs.append(compute_logprobs(logits[row:row + len(span)], targets,
-                                                        [seq.sampling_params.prompt_logprobs] * len(span))
-                                       if seq.needs_prompt_logprobs else None)
-                row += len(span)
-                if seq.samples:
-                    sample_rows.append(row)
-                    row += 1
-            logits = logits[sample_rows]
-        samples = [seq.samples for seq in seqs]
-        sampled = self._sample(logits, [seq for seq, s in zip(seqs, samples) if s]) if any(samples) else SamplerOutput([])
-        sampled.prompt_logprobs = prompt_logprobs
-        if all(samples) and len(sampled.token_ids) == len(seqs):  # the usual step: one row per sequence
-            return sampled
-        # Back to a row per sample and a None row per sequence that did not sample.
-        is_sample = [s for seq, s in zip(seqs, samples) for _ in (seq.sample_indices if s else [None])]
-        tokens, logprobs = iter(sampled.token_ids), iter(sampled.logprobs or [])
-        return SamplerOutput([next(tokens) if s else None for s in is_sample],
-                             None if sampled.logprobs is None else [next(logprobs) if s else None for s in is_sample],
-                             prompt_logprobs)
+        if any(seq.needs_prompt_logprobs for seq in seqs):  # each scores the prompt token after its position
+            prompt_logprobs = [None if span is None else compute_logprobs(
+                logits[span], torch.tensor(seq.token_ids[p.start + 1:p.stop + 1], device=logits.device),
+                [seq.sampling_params.prompt_logprobs] * len(span))
+                for seq, span, p in zip(seqs, rows.prompt_logprobs, (s.prompt_logprob_positions for s in seqs))]
+        sampling = [seq for seq in seqs if seq.samples]
+        sampled = self._sample(rows.sample_logits(logits), sampling) if sampling else SamplerOutput([])
+        return SamplerOutput(rows.per_output(sampled.token_ids),
+                             None if sampled.logprobs is None else rows.per_output(sampled.logprobs), prompt_logprobs)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        rows = [(seq.sampling_params, index, seq.num_tokens) for seq in seqs for index in seq.sample_indices]
-        if len(rows) > len(seqs):  # a request's first sample: n rows from its one row of logits
-            counts = torch.tensor([len(seq.sample_indices) for seq in seqs], device=logits.device)
-            logits = logits.repeat_interleave(counts, dim=0)
-        # A row per sample: at a request's first sample, its n rows share the (empty) completion.
+        """A token per sample row of ``logits`` (``LogitRows.sample_logits``): each sequence's
+        ``sample_indices`` in turn."""
+        samples = [(seq, index) for seq in seqs for index in seq.sample_indices]
+        params = [seq.sampling_params for seq, _ in samples]
+        # At a request's first sample its n rows share the (empty) completion.
         processors = build_logits_processors(
-            [(seq.sampling_params, seq.token_ids, seq.num_prompt_tokens, seq.output_token_counts)
-             for seq in seqs for _ in seq.sample_indices], self.eos_token_ids, logits.device)
-        token_ids = self.sampler(logits, [p.temperature for p, _, _ in rows], [p.top_k for p, _, _ in rows],
-                                 [p.top_p for p, _, _ in rows], [p.sample_seed(i) for p, i, _ in rows],
-                                 [n for _, _, n in rows], [p.min_p for p, _, _ in rows], processors)
+            [(p, seq.token_ids, seq.num_prompt_tokens, seq.output_token_counts) for p, (seq, _) in zip(params, samples)],
+            self.eos_token_ids, logits.device)
+        token_ids = self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],
+                                 [p.top_p for p in params], [p.sample_seed(i) for p, (_, i) in zip(params, samples)],
+                                 [seq.num_tokens for seq, _ in samples], [p.min_p for p in params], processors)
         logprobs = None
-        if any(p.logprobs is not None for p, _, _ in rows):
-            logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p, _, _ in rows])
+        if any(p.logprobs is not None for p in params):
+            logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])
         return SamplerOutput(token_ids.tolist(), logprobs)
 
     def compute_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from nanoengine import cpu_kernels, cpu_library
 from nanoengine.torch_attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
 from nanoengine.cpu_kernels import flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu
-from nanoengine.model_runner import kvcache_block_size
+from nanoengine.config import kvcache_block_size
 
 D = 16
 SCALE = D ** -0.5

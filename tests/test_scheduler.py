@@ -11,7 +11,9 @@ and recomputed, whatever else shares its batches.
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import given, settings
+
+pytest.importorskip("hypothesis")  # a test extra: a bare GPU machine may lack it (`pytest -m cuda` there)
+from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st
 
 from nanoengine.block_manager import BlockManager

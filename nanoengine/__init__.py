@@ -2,6 +2,6 @@
 
 from nanoengine.engine import LLMEngine
 from nanoengine.llm import LLM
-from nanoengine.sampling_params import BeamSearchParams, SamplingParams
+from nanoengine.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams"]

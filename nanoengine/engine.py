@@ -30,6 +30,7 @@ from nanoengine.model_runner import ModelRunner
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.scheduler import Scheduler
 from nanoengine.sequence import Sequence
+from nanoengine.structured_output import GrammarCompiler
 from nanoengine.worker import start_workers
 
 
@@ -77,6 +78,7 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, eos_token_ids, config.enable_chunked_prefill)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids)
         self.requests: dict[int, Sequence] = {}  # request id -> its first sequence
         # Cumulative; "<phase>_tokens" counts the tokens the model computed in that phase.
         self.counters = dict.fromkeys(["prompt_tokens", "generated_tokens", "prefill_steps", "prefill_tokens",
@@ -138,6 +140,10 @@ class LLMEngine:
             if bad := [t for t in getattr(sampling_params, field) if not 0 <= t < self.vocab_size]:
                 raise ValueError(f"{field} names token ids {bad[:5]} outside the model's vocabulary "
                                  f"[0, {self.vocab_size})")
+        if sampling_params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the tokenizer: the engine has none (skip_tokenizer_init=True)")
+            self.grammars.compile(sampling_params.structured_outputs)  # a bad grammar is refused before queuing
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Queue a request; returns its id. The prompt is checked before anything is queued."""
@@ -145,6 +151,8 @@ class LLMEngine:
         seq = Sequence(self.tokenize(prompt), sampling_params, self.model_runner.block_size)
         if self.tokenizer is not None:  # without one, outputs are token ids and their text is None
             seq.detokenizer = Detokenizer(self.tokenizer, sampling_params.stop)
+        if sampling_params.structured_outputs is not None:
+            seq.grammar = self.grammars.matcher(sampling_params.structured_outputs)
         self.scheduler.add(seq)
         self.requests[seq.seq_id] = seq
         self.counters["prompt_tokens"] += seq.num_prompt_tokens

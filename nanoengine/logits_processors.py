@@ -13,8 +13,8 @@ batch, applied with one gather and one scatter per kind, never a pass over the v
 never a loop over rows on the device. A step in which no row uses any of them builds nothing
 (``build_logits_processors`` returns None) and skips the pass.
 
-``apply_logits_processors`` is the one seam: a grammar's bitmask is one more kind of entry
-applied there, and a speculative verifier applies the same processing to its draft positions by
+``apply_logits_processors`` is the one seam: a grammar's bitmask of allowed tokens is one more
+kind applied there (structured_output.py), and a speculative verifier applies the same processing to its draft positions by
 building rows whose tokens include the drafts before them.
 """
 
@@ -36,11 +36,14 @@ class LogitsProcessors:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # added: logit_bias, or -inf (min_tokens)
     repetition: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # each seen token's penalty
     occurrences: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # subtracted: presence and frequency
+    # Rows a grammar constrains, and their bitmasks of allowed tokens (structured_output.py).
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def build_logits_processors(rows: list[Row], eos_token_ids: set[int],
-                            device: torch.device) -> LogitsProcessors | None:
-    """The entries of a batch's rows, or None when no row asks for any processing."""
+def build_logits_processors(rows: list[Row], eos_token_ids: set[int], device: torch.device,
+                            allowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> LogitsProcessors | None:
+    """The entries of a batch's rows (and the grammars' ``allowed`` tokens, as
+    structured_output.allowed_tokens gives them), or None when no row asks for any processing."""
     bias: tuple[list, list, list] = ([], [], [])
     repetition: tuple[list, list, list] = ([], [], [])
     counted: tuple[list, list, list, list, list] = ([], [], [], [], [])  # rows, ids, counts, presence, frequency
@@ -57,14 +60,14 @@ def build_logits_processors(rows: list[Row], eos_token_ids: set[int],
         if params.presence_penalty or params.frequency_penalty:
             _extend(counted, row, counts.keys(), counts.values(), [params.presence_penalty] * len(counts),
                     [params.frequency_penalty] * len(counts))
-    if not (bias[0] or repetition[0] or counted[0]):
+    if not (bias[0] or repetition[0] or counted[0] or allowed):
         return None
     occurrences = None
     if counted[0]:
         rows_, token_ids, count, presence, frequency = _tensors(counted, device)
         occurrences = (rows_, token_ids, frequency * count + presence * (count > 0))
     return LogitsProcessors(_tensors(bias, device) if bias[0] else None,
-                            _tensors(repetition, device) if repetition[0] else None, occurrences)
+                            _tensors(repetition, device) if repetition[0] else None, occurrences, allowed)
 
 
 def _extend(entries: tuple[list, ...], row: int, token_ids, *values) -> None:
@@ -97,4 +100,9 @@ def apply_logits_processors(logits: torch.Tensor, processors: LogitsProcessors |
     if processors.occurrences is not None:
         rows, token_ids, penalties = processors.occurrences
         logits[rows, token_ids] -= penalties
+    if processors.allowed is not None:  # last: whatever the rest did, a disallowed token stays out
+        rows, bitmask = processors.allowed
+        bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device, dtype=torch.int32)) & 1
+        allowed = bits.flatten(1)[:, :logits.shape[-1]].bool()
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return logits

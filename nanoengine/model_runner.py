@@ -27,6 +27,7 @@ from nanoengine.model import build_model
 from nanoengine.parallel import TensorParallelGroup
 from nanoengine.sampler import LogitRows, Sampler, SamplerOutput, compute_logprobs
 from nanoengine.sequence import Sequence
+from nanoengine.structured_output import allowed_tokens
 
 CPU_KVCACHE_BYTES = 1 << 30  # the RAM budget for the KV cache on CPU
 
@@ -206,7 +207,8 @@ class ModelRunner:
         # At a request's first sample its n rows share the (empty) completion.
         processors = build_logits_processors(
             [(p, seq.token_ids, seq.num_prompt_tokens, seq.output_token_counts) for p, (seq, _) in zip(params, samples)],
-            self.eos_token_ids, logits.device)
+            self.eos_token_ids, logits.device, allowed_tokens([seq.grammar for seq, _ in samples], logits.shape[-1],
+                                                              logits.device))
         token_ids = self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],
                                  [p.top_p for p in params], [p.sample_seed(i) for p, (_, i) in zip(params, samples)],
                                  [seq.num_tokens for seq, _ in samples], [p.min_p for p in params], processors)

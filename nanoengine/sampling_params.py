@@ -1,11 +1,54 @@
 """Per-request sampling parameters: what a user controls about how tokens are picked."""
 
+import json as json_module
 import math
 from dataclasses import dataclass
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's name and fields); exactly one of them is set.
+
+    ``json``: a JSON schema (a dict, or its text); ``json_object``: any JSON object; ``regex``: a
+    regular expression; ``choice``: one of these strings; ``grammar``: a grammar in GBNF (the EBNF
+    llama.cpp and xgrammar write) or Lark. structured_output.py compiles it and masks the logits.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [f for f in ("json", "regex", "choice", "grammar") if getattr(self, f) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its text), got {self.json!r}")
+        for field in ("regex", "grammar"):
+            if getattr(self, field) is not None and not isinstance(getattr(self, field), str):
+                raise ValueError(f"structured_outputs.{field} must be a string, got {getattr(self, field)!r}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what a compiled grammar is cached by."""
+        if self.json is not None:
+            return "json", self.json if isinstance(self.json, str) else json_module.dumps(self.json)
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", json_module.dumps(self.choice)
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
 
 
 @dataclass
@@ -27,6 +70,8 @@ class SamplingParams:
     a constant and per occurrence; ``repetition_penalty`` (HF's) divides a positive logit, or
     multiplies a negative one, of each token in the prompt or the completion. ``min_p`` drops the
     tokens less likely than ``min_p`` times the most likely one (after temperature).
+    ``structured_outputs`` constrains the output to a grammar (structured_output.py): a JSON schema,
+    a regex, a choice or an EBNF grammar; a finished output ("stop") then always matches it.
     """
 
     temperature: float = 1.0
@@ -46,6 +91,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_p: float = 0.0
     min_tokens: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -81,6 +127,9 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         self.logit_bias = dict(self.logit_bias or {})
         if not all(_is_int(t) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b)
                    for t, b in self.logit_bias.items()):

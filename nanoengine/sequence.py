@@ -46,8 +46,10 @@ class Sequence:
         self.request_id = self.seq_id  # the first sequence's id names the request
         self.sample_index = 0  # which of the request's n samples this is
         self.group: list[Sequence] = [self]
-        # Set by the engine: the completion's text, as it grows, and its stop strings.
+        # Set by the engine: the completion's text, as it grows, and its stop strings; and with
+        # structured_outputs, the grammar's matcher at this sample's position (structured_output.py).
         self.detokenizer = None
+        self.grammar = None
         # Only when asked for: per generated token, {token_id: logprob}; per prompt token likewise.
         asked = sampling_params.logprobs is not None
         self.logprobs: list[dict[int, float]] | None = [] if asked else None
@@ -139,5 +141,7 @@ class Sequence:
         child.output_token_counts = None if self.output_token_counts is None else {}
         if self.detokenizer is not None:
             child.detokenizer = self.detokenizer.fork()
+        if self.grammar is not None:
+            child.grammar = self.grammar.deep_copy()
         self.group.append(child)
         return child

@@ -1,0 +1,94 @@
+"""Structured output: the tokens a request may sample next, from a grammar its output must follow.
+
+A request's ``StructuredOutputsParams`` (a JSON schema, a regex, a choice, a grammar) becomes a
+grammar over this model's tokenizer (llguidance, llama.cpp's backend and one of vLLM's; why this
+one and not xgrammar is measured in docs/structured-output.md). Each sample carries a *matcher*,
+the grammar's parser at the sample's position:
+
+- before a sampling step, every constrained row's matcher writes a bitmask over the vocabulary
+  (``allowed_tokens``: bit ``j`` of 32-bit word ``i`` allows token ``32 i + j``); the sampler masks
+  every other token to -inf (logits_processors.py), so an unconstrained row costs nothing;
+- after it, ``Scheduler.postprocess`` advances the matcher by the token that landed, the one place
+  every token lands; a matcher whose grammar cannot go on (a closed JSON object, a choice
+  spelled out, or a stop token taken) has *stopped*, which finishes the sequence ("stop").
+
+A sample forked at a request's first token gets a copy of the matcher (``Sequence.fork``). A
+preempted sequence keeps its tokens and its matcher, whose state is that of those tokens, so its
+recompute needs nothing from here.
+"""
+
+import functools
+import json
+
+import torch
+
+from nanoengine.sampling_params import StructuredOutputsParams
+
+try:
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch
+except ImportError:  # optional: only a request with structured_outputs needs it
+    llguidance = None
+
+
+class GrammarCompiler:
+    """Turns a request's ``StructuredOutputsParams`` into a checked grammar, cached by its text.
+
+    The tokenizer's vocabulary is read once, at the first constrained request (about a second for a
+    49k vocabulary), not at start-up: an engine that never sees one never pays it.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]):
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+
+    @functools.cached_property
+    def _llg_tokenizer(self):
+        if llguidance is None:
+            raise ValueError('structured_outputs needs llguidance: pip install -e ".[structured]"')
+        return llguidance.hf.from_tokenizer(self.tokenizer, self.vocab_size, eos_token=self.stop_token_ids)
+
+    @functools.lru_cache(maxsize=256)
+    def _compile(self, kind: str, text: str) -> str:
+        matcher = llguidance.LLMatcher
+        # JSON without free whitespace between its tokens (vLLM's disable_any_whitespace): a model
+        # unsure how to go on could otherwise emit blanks until max_tokens.
+        compact = {"whitespace_flexible": False}
+        try:
+            grammar = {"json": lambda: matcher.grammar_from_json_schema(text, defaults=compact),
+                       "json_object": lambda: matcher.grammar_from_json_schema('{"type": "object"}', defaults=compact),
+                       "regex": lambda: matcher.grammar_from_regex(text),
+                       "choice": lambda: matcher.grammar_from_lark(_choice_grammar(json.loads(text))),
+                       "grammar": lambda: matcher.grammar_from_lark(llguidance.gbnf_to_lark.any_to_lark(text))}[kind]()
+            error = matcher.validate_grammar(grammar, self._llg_tokenizer)
+        except (ValueError, RuntimeError, llguidance.gbnf_to_lark.GbnfToLarkError) as e:
+            error = str(e)
+        if error:  # the library's own message says what is wrong
+            raise ValueError(f"structured_outputs.{kind} is not a grammar llguidance accepts: {error}")
+        return grammar
+
+    def compile(self, params: StructuredOutputsParams) -> str:
+        """``params``' grammar, checked at the first request that names it; a ``ValueError`` if the
+        library refuses it."""
+        return self._compile(*params.key)
+
+    def matcher(self, params: StructuredOutputsParams):
+        """A fresh matcher for ``params``' grammar, at its start."""
+        return llguidance.LLMatcher(self._llg_tokenizer, self.compile(params))
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    """A Lark grammar whose only sentences are ``choices`` (its string literals escape as JSON's)."""
+    return "start: " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def allowed_tokens(matchers: list, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For the rows with a matcher: their indices and their bitmasks of allowed next tokens; None
+    when no row is constrained."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return None
+    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab_size)
+    for i, row in enumerate(rows):
+        llguidance.torch.fill_next_token_bitmask(matchers[row], bitmask, i)
+    return torch.tensor(rows, device=device), bitmask.to(device)

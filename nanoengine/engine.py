@@ -71,6 +71,10 @@ class LLMEngine:
                 self.workers.shutdown()
             raise
         config.fit_to_kvcache(self.model_runner.num_kvcache_blocks, self.model_runner.block_size)
+        # No token covers more characters than the vocabulary's longest (a byte-level token's string
+        # has a character per byte), so a text longer than this has more than max_model_len tokens:
+        # refused before the tokenizer spends seconds on it (24 MB took 20 s, and memory kept).
+        self.max_prompt_chars = config.max_model_len * max(map(len, self.tokenizer.get_vocab()))
         eos_token_ids = load_eos_token_ids(path, hf_config, self.tokenizer)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.model_runner.block_size,
                                           config.enable_prefix_caching)
@@ -84,6 +88,7 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids, or a ``ValueError`` if the engine could never serve it."""
         if isinstance(prompt, str):
+            self.check_prompt_text(prompt)
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)
@@ -100,6 +105,18 @@ class LLMEngine:
                              f"{self.config.max_model_len}")
         return token_ids
 
+    def check_prompt_text(self, *texts: str) -> None:
+        """A ``ValueError`` for prompt text the tokenizer must not see: more characters than
+        ``max_model_len`` tokens can hold, or a lone surrogate (which no UTF-8 encodes)."""
+        if (num_chars := sum(map(len, texts))) > self.max_prompt_chars:
+            raise ValueError(f"prompt has {num_chars} characters, more than max_model_len={self.config.max_model_len} "
+                             f"tokens could hold ({self.max_prompt_chars} characters)")
+        for text in texts:
+            try:
+                text.encode()
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt is not valid Unicode text: a lone surrogate at character {e.start}") from None
+
     def chat_prompt(self, conversation: list[dict]) -> list[int]:
         """A conversation's prompt token ids: the tokenizer's chat template with the generation prompt.
 
@@ -108,6 +125,7 @@ class LLMEngine:
         """
         if not isinstance(conversation, list) or not conversation or not all(isinstance(m, dict) for m in conversation):
             raise ValueError("a conversation must be a non-empty list of {'role', 'content'} dicts")
+        self.check_prompt_text(*(str(m.get("content", "")) for m in conversation))  # the template adds more
         try:
             token_ids = self.tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True,
                                                            return_dict=False)
@@ -119,8 +137,18 @@ class LLMEngine:
         """A ``ValueError`` for parameters this engine could never serve."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        if sampling_params.n > self.config.max_num_seqs:  # a request's samples run side by side
-            raise ValueError(f"n={sampling_params.n} is more than max_num_seqs={self.config.max_num_seqs}")
+        config = self.config
+        if sampling_params.n > config.max_num_seqs:  # a request's samples run side by side
+            raise ValueError(f"n={sampling_params.n} is more than max_num_seqs={config.max_num_seqs}")
+        for field in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(sampling_params, field)) is not None and value > config.max_logprobs:
+                raise ValueError(f"{field}={value} is more than max_logprobs={config.max_logprobs}")
+        stop = sampling_params.stop
+        if len(stop) > config.max_stop_strings:
+            raise ValueError(f"stop has {len(stop)} strings, more than max_stop_strings={config.max_stop_strings}")
+        if (longest := max(map(len, stop), default=0)) > config.max_stop_string_length:
+            raise ValueError(f"stop has a string of {longest} characters, more than "
+                             f"max_stop_string_length={config.max_stop_string_length}")
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Queue a request; returns its id. The prompt is checked before anything is queued."""

@@ -211,6 +211,70 @@ def test_malformed_json_gets_400_and_openai_client_sees_bad_request(server, clie
     assert client.completions.create(model=model_name, prompt="hi", max_tokens=2).usage.completion_tokens == 2
 
 
+def openai_error(response: httpx.Response, status: int) -> dict:
+    """The response's OpenAI error object, checked to have OpenAI's shape and ``status``."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    error = body["error"]
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error") and error["message"]
+    return error
+
+
+@pytest.mark.parametrize("method,path,kwargs,status,message", [
+    ("GET", "/v1/nothing-here", {}, 404, "Not Found: GET /v1/nothing-here"),
+    ("GET", "/v1/completions", {}, 405, "Method Not Allowed: GET /v1/completions"),
+    ("POST", "/v1/completions", dict(content=b'{"prompt": "caf\xe9"}', headers={"content-type": "application/json"}),
+     400, "the request body is not valid JSON in UTF-8"),
+    ("POST", "/v1/completions", dict(content=b'{"prompt": "hi",', headers={"content-type": "application/json"}),
+     400, "the request body is not valid JSON"),
+    ("POST", "/v1/completions", dict(json={"prompt": "x" * (4 << 20)}), 413,
+     "the request body is larger than max_request_body_bytes=4194304"),
+    ("POST", "/v1/completions", dict(content=iter([b'{"prompt": "' + b"x" * (4 << 20), b'"}']),  # chunked: no length
+                                     headers={"content-type": "application/json"}), 413,
+     "the request body is larger than max_request_body_bytes=4194304"),
+])
+def test_every_error_has_openai_shape(server, method, path, kwargs, status, message):
+    error = openai_error(httpx.request(method, f"{server}{path}", timeout=30, **kwargs), status)
+    assert error["message"].startswith(message)
+
+
+def test_a_bad_request_names_every_bad_field_at_once(server):
+    body = {"prompt": 42, "temperature": "hot", "n": "two", "no_such_field": 1}
+    error = openai_error(httpx.post(f"{server}/v1/completions", json=body, timeout=10), 400)
+    assert error["param"] in body  # OpenAI's error has room for one
+    for field in ("prompt", "temperature", "n", "no_such_field"):
+        assert f"{field}" in error["message"]
+    assert error["message"].count("; ") >= 3
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("completions", {"prompt": "bad \ud800 surrogate"}, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field_and_the_connection_lives_on(server, path, body, param):
+    raw = json.dumps(body).replace("\\\\u", "\\u").encode()  # a JSON escape no UTF-8 text can carry
+    with httpx.Client(base_url=server, timeout=10) as http:  # one keep-alive connection for both
+        response = http.post(f"/v1/{path}", content=raw, headers={"content-type": "application/json"})
+        error = openai_error(response, 400)
+        assert error["param"] == param and "lone surrogate" in error["message"]
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("path,body,param,message", [
+    ("completions", {"prompt": "hi", "logprobs": 10**6}, "logprobs", "logprobs=1000000 is more than max_logprobs=20"),
+    ("completions", {"prompt": "hi", "logprobs": 21, "stream": True}, "logprobs", "max_logprobs=20"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "logprobs", "logprobs=21 is more than max_logprobs=20"),
+    ("completions", {"prompt": "hi", "stop": ["x"] * 33}, "stop", "more than max_stop_strings=32"),
+    ("completions", {"prompt": "hi", "stop": "x" * 257}, "stop", "more than max_stop_string_length=256"),
+    ("completions", {"prompt": "x" * 10**6}, "prompt", "prompt has 1000000 characters, more than max_model_len="),
+])
+def test_a_request_over_a_limit_is_a_400_naming_the_field_and_the_limit(server, path, body, param, message):
+    error = openai_error(httpx.post(f"{server}/v1/{path}", json={"max_tokens": 2, **body}, timeout=10), 400)
+    assert error["param"] == param and message in error["message"]
+
+
 def test_openai_fields_that_change_nothing_are_accepted(client, model_name, llm):
     expected = offline(llm, PROMPTS[4:5], **GREEDY)[0]["text"]
     response = client.completions.create(model=model_name, prompt=PROMPTS[4], user="someone", presence_penalty=0,
@@ -280,6 +344,22 @@ def test_every_engine_flag_is_an_llm_keyword_and_unset_ones_keep_the_defaults_bu
     assert (config.max_num_batched_tokens, config.kvcache_block_size, config.enforce_eager,
             config.gpu_memory_utilization, config.enable_prefix_caching, config.device) == (4096, 32, True, 0.5,
                                                                                               False, "cpu")
+
+
+def test_request_limits_are_flags_with_the_engines_defaults():
+    from nanoengine.config import Config
+    from nanoengine.serve import engine_options, make_parser
+    parser = make_parser()
+    assert parser.parse_args([]).max_request_body_bytes == 4 << 20
+    args = parser.parse_args(["--max-logprobs", "5", "--max-stop-strings", "4", "--max-stop-string-length", "16",
+                              "--max-request-body-bytes", "1000"])
+    config = Config.from_kwargs(None, engine_options(args))
+    assert (config.max_logprobs, config.max_stop_strings, config.max_stop_string_length) == (5, 4, 16)
+    assert args.max_request_body_bytes == 1000
+    default = Config()
+    assert (default.max_logprobs, default.max_stop_strings, default.max_stop_string_length) == (20, 32, 256)
+    help_text = parser.format_help()
+    assert "(default: 20, as vLLM)" in help_text and "(default: 32)" in help_text and "(default: 256)" in help_text
 
 
 @pytest.mark.parametrize("module", ["fastapi", "uvicorn", "prometheus_client"])

@@ -45,6 +45,7 @@ class RequestOutput:
     text: str  # the text they made final; a stop string and what follows it never appear
     logprobs: list[dict[int, float]] | None  # per token, {token_id: logprob}, if the request asked
     finish_reason: str | None  # None while the sample runs; "stop" (EOS, stop string or id) or "length"
+    step: int  # the engine step that made it: a request's outputs of one step are one token gap apart from the last
 
 
 class RequestStream:
@@ -99,6 +100,7 @@ class AsyncLLMEngine:
         """
         self._inbox: queue.SimpleQueue[tuple[Callable, Future] | None] = queue.SimpleQueue()
         self._streams: dict[int, RequestStream] = {}  # engine thread only
+        self._num_steps = 0  # engine thread only
         self.error: str | None = None  # why the engine thread stopped; None while it runs
         # Held to queue work and to mark the thread stopped, so no work slips in after the last drain.
         self._lock = threading.Lock()
@@ -216,10 +218,11 @@ class AsyncLLMEngine:
                     error = EngineError(f"the step running this request failed: {e!r}")
                     self._deliver(self._streams.pop(request_id), error)
                 continue
+            self._num_steps += 1
             for seq in seqs:
                 if (stream := self._streams.get(seq.request_id)) is not None:
                     logprobs = None if seq.logprobs is None else seq.logprobs[-1:]
-                    self._deliver(stream, RequestOutput(seq.sample_index, [seq.token_ids[-1]],
-                                                        seq.detokenizer.last_delta, logprobs, seq.finish_reason))
+                    self._deliver(stream, RequestOutput(seq.sample_index, [seq.token_ids[-1]], seq.detokenizer.last_delta,
+                                                        logprobs, seq.finish_reason, self._num_steps))
             for request_id in {seq.request_id for seq in seqs if all(s.is_finished for s in seq.group)}:
                 self._streams.pop(request_id, None)

@@ -114,13 +114,17 @@ def create_app(engine: AsyncLLMEngine, model_name: str, max_request_body_bytes: 
             finish_reasons = [None] * req.n
             try:
                 async for out in stream:
-                    clock.output()
+                    clock.output(out.step)
                     texts[out.index].append(out.text)
                     num_tokens[out.index] += len(out.token_ids)
                     finish_reasons[out.index] = out.finish_reason
                     token_logprobs[out.index] += out.logprobs or []
+            except EngineError:
+                clock.finish("error")
+                raise
             finally:
                 stream.abort()
+                clock.finish(finish_reasons[0] or "abort")  # unfinished: the client left
             choices = [choice(i, "".join(texts[i]), finish_reasons[i], token_logprobs[i], 0) for i in range(req.n)]
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                     "usage": usage()}
@@ -137,20 +141,25 @@ def create_app(engine: AsyncLLMEngine, model_name: str, max_request_body_bytes: 
             if chat:
                 for i in range(req.n):
                     yield event({"index": i, "logprobs": None, "finish_reason": None, "delta": {"role": "assistant"}})
-            text_lengths = [0] * req.n
+            text_lengths, finish_reason = [0] * req.n, "abort"  # until sample 0 ends: the client may leave first
             try:
                 async for out in stream:
-                    clock.output()
+                    clock.output(out.step)
+                    if out.finish_reason and out.index == 0:
+                        finish_reason = out.finish_reason
                     if out.text or out.finish_reason or out.logprobs:
                         yield event(choice(out.index, out.text, out.finish_reason, out.logprobs,
                                            text_lengths[out.index]))
                     text_lengths[out.index] += len(out.text)
                     num_tokens[out.index] += len(out.token_ids)
             except EngineError as e:  # the status line has gone out: the error can only be an event
+                finish_reason = "error"
                 yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
             else:
                 if (req.stream_options or {}).get("include_usage"):
                     yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': usage()})}\n\n"
+            finally:
+                clock.finish(finish_reason)
             yield "data: [DONE]\n\n"
 
         return EventStream(events(), stream)

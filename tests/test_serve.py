@@ -329,6 +329,36 @@ def test_metrics_parse_and_move_with_requests(server):
     assert moved["prefix_cache_hits_total"] >= 32 and moved["num_preemptions_total"] == 0
 
 
+def finished_requests(server) -> dict[str, float]:
+    """``request_success_total`` by its ``finished_reason``."""
+    text = httpx.get(f"{server}/metrics", timeout=5).text
+    return {sample.labels["finished_reason"]: sample.value
+            for family in prometheus_parser.text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "nanoengine:request_success_total"}
+
+
+def moved(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def test_metrics_time_a_request_with_n_samples_once_per_step_and_count_how_requests_end(server):
+    wait_for_idle_stats(server)
+    before, ended_before = scrape(server), finished_requests(server)
+    body = {"prompt": PROMPTS[5], "max_tokens": 6, "ignore_eos": True, "n": 4}
+    assert httpx.post(f"{server}/v1/completions", json=body, timeout=30).status_code == 200
+    after = scrape(server)
+    # Six steps gave the n=4 request its tokens: one first token, then five gaps (not 6 * 4 - 1).
+    assert after["time_to_first_token_seconds_count"] - before["time_to_first_token_seconds_count"] == 1
+    assert after["inter_token_latency_seconds_count"] - before["inter_token_latency_seconds_count"] == 5
+    assert httpx.post(f"{server}/v1/completions", json={**body, "n": 1, "stop": " ", "ignore_eos": False,
+                                                        "max_tokens": 200, "temperature": 0}, timeout=30).status_code == 200
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=30,
+                      json={**body, "max_tokens": 1000, "n": 2, "stream": True}) as response:
+        next(sse_data(response))  # then the client leaves: aborted
+    wait_for_idle_stats(server)
+    assert moved(finished_requests(server), ended_before) == {"length": 1, "stop": 1, "abort": 1}
+
+
 def test_every_engine_flag_is_an_llm_keyword_and_unset_ones_keep_the_defaults_but_chunked_prefill():
     from dataclasses import fields
 
@@ -455,6 +485,7 @@ def test_failed_step_fails_only_its_requests_with_an_error(local_server, tokeniz
     monkeypatch.setattr(engine.model_runner, "run", faulty_run)
 
     survivor = {"prompt": PROMPTS[0], "temperature": 0, "max_tokens": 48, "ignore_eos": True}
+    ended_before = finished_requests(url)
     with httpx.Client(base_url=url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json={**survivor, "stream": True}) as response:
             lines = sse_data(response)
@@ -474,6 +505,7 @@ def test_failed_step_fails_only_its_requests_with_an_error(local_server, tokeniz
         chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
         alone = http.post("/v1/completions", json=survivor).json()["choices"][0]
         assert "".join(c["text"] for c in chunks) == alone["text"] and chunks[-1]["finish_reason"] == "length"
+        assert moved(finished_requests(url), ended_before) == {"error": 2, "length": 2}
 
         monkeypatch.undo()
         assert http.post("/v1/completions", json={"prompt": doomed, "max_tokens": 4}).status_code == 200

@@ -9,9 +9,11 @@ Continuous batching does the rest: a request added mid-flight joins the next ste
 
 Failure stays as small as it can. A step that raises has already aborted the requests it ran
 (the engine's contract), so exactly those streams get an ``EngineError`` and the rest go on. Work
-that raises reports to its caller and leaves the thread running. If the thread stops anyway,
-``error`` says why, every stream and every pending call gets an ``EngineDeadError``, and later
-calls get one at once instead of waiting for a thread that will never answer.
+that raises reports to its caller and leaves the thread running. Death is one notion: if the
+thread stops (a bug in its loop), or a failed step left the engine unable to serve anything (its
+tensor-parallel group failed: a worker died, or hung past the collectives' bound), ``error`` says
+why, every stream and every pending call gets an ``EngineDeadError``, and later calls get one at
+once instead of waiting for a thread that will never answer.
 """
 
 import asyncio
@@ -178,8 +180,7 @@ class AsyncLLMEngine:
             return
         built.set_result(None)
         try:
-            self._serve()
-            reason = "the engine was shut down"
+            reason = self._serve()
         except BaseException as e:  # a bug in the loop itself: say so rather than hang every caller
             logger.exception("the engine thread died")
             reason = f"the engine thread died: {e!r}"
@@ -192,7 +193,8 @@ class AsyncLLMEngine:
         for stream in streams:
             self._deliver(stream, EngineDeadError(reason))
 
-    def _serve(self) -> None:
+    def _serve(self) -> str:
+        """Serve until shut down, or until the engine can serve nothing more; returns why it stopped."""
         while True:
             # Block only when idle: with requests in flight, take what has arrived and step.
             work = [self._inbox.get()] if not self.engine.has_unfinished_requests() else []
@@ -200,7 +202,7 @@ class AsyncLLMEngine:
                 work.append(self._inbox.get())
             for item in work:
                 if item is None:
-                    return
+                    return "the engine was shut down"
                 fn, future = item
                 if future.set_running_or_notify_cancel():  # False: the awaiting caller was cancelled
                     try:
@@ -217,6 +219,8 @@ class AsyncLLMEngine:
                 for request_id in [i for i in self._streams if i not in self.engine.requests]:
                     error = EngineError(f"the step running this request failed: {e!r}")
                     self._deliver(self._streams.pop(request_id), error)
+                if self.engine.failure is not None:
+                    return f"the engine cannot serve: {self.engine.failure}"
                 continue
             self._num_steps += 1
             for seq in seqs:

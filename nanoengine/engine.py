@@ -200,6 +200,11 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
         return stepped
 
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can serve nothing any more (its tensor-parallel group failed), or None."""
+        return self.workers.group.failure if self.workers is not None else None
+
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()
 

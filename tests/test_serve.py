@@ -405,13 +405,13 @@ def test_missing_server_dependency_is_one_line_naming_the_extra(module):
 # -- failures, in a server run inside the test process so that faults can be injected into its engine --
 
 @contextmanager
-def in_process_server(model_path: str):
+def in_process_server(model_path: str, **options):
     """Yields the URL of a server on 127.0.0.1 and the ``LLMEngine`` behind it."""
     import uvicorn
 
     from nanoengine.async_engine import AsyncLLMEngine
     from nanoengine.serve import create_app
-    async_engine = AsyncLLMEngine(model_path, dtype="float32", device="cpu")
+    async_engine = AsyncLLMEngine(model_path, dtype="float32", device="cpu", **options)
     engine = async_engine.engine
     server = uvicorn.Server(uvicorn.Config(create_app(async_engine, "tiny"), log_level="warning"))
     # Bound and listening before the server starts: connections wait in the backlog, no polling for startup.
@@ -627,3 +627,34 @@ def test_metrics_gauges_show_running_and_waiting_requests(local_server, monkeypa
                 during = scrape(url)
     assert during["num_requests_running"] == 1 and during["num_requests_waiting"] == 1
     assert 0 < during["kv_cache_usage_perc"] <= 1
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_failed_tensor_parallel_worker_makes_health_503_and_requests_fail_fast(tiny_models, monkeypatch, fault):
+    """A dead or hung worker leaves the engine unable to serve anything: after the step that finds
+    it (the first a hang fails, once the collectives' bound has passed), /health says 503 and why,
+    and every request fails at once with the same reason."""
+    import signal
+
+    from nanoengine import parallel
+    monkeypatch.setattr(parallel, "STEP_COLLECTIVE_TIMEOUT", parallel.datetime.timedelta(seconds=3))
+    with in_process_server(tiny_models["llama"], tensor_parallel_size=2) as (url, engine), \
+            httpx.Client(base_url=url, timeout=60) as http:
+        assert http.get("/health").status_code == 200
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        worker = engine.workers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        try:
+            body = {"prompt": PROMPTS[0], "max_tokens": 8, "ignore_eos": True, "stream": True}
+            start = time.monotonic()
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                *_, error, done = sse_data(response)
+            assert done == "[DONE]" and "rank 0 lost its peers" in json.loads(error)["error"]["message"]
+            assert time.monotonic() - start < 30  # the bound, not the ten minutes of start-up
+            health = openai_error(http.get("/health"), 503)
+            assert "the engine cannot serve" in health["message"] and "lost its peers" in health["message"]
+            start = time.monotonic()
+            refused = openai_error(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 503)
+            assert refused["message"] == health["message"] and time.monotonic() - start < 5
+        finally:
+            worker.kill()

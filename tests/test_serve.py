@@ -253,7 +253,7 @@ def test_a_bad_request_names_every_bad_field_at_once(server):
     ("chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
 ])
 def test_a_lone_surrogate_is_a_400_naming_the_field_and_the_connection_lives_on(server, path, body, param):
-    raw = json.dumps(body).replace("\\\\u", "\\u").encode()  # a JSON escape no UTF-8 text can carry
+    raw = json.dumps(body).encode()  # the surrogate as the JSON escape "\\ud800", which no UTF-8 text can carry
     with httpx.Client(base_url=server, timeout=10) as http:  # one keep-alive connection for both
         response = http.post(f"/v1/{path}", content=raw, headers={"content-type": "application/json"})
         error = openai_error(response, 400)
@@ -658,3 +658,66 @@ def test_a_failed_tensor_parallel_worker_makes_health_503_and_requests_fail_fast
             assert refused["message"] == health["message"] and time.monotonic() - start < 5
         finally:
             worker.kill()
+
+
+def json_body(body: dict) -> dict:
+    """httpx's keywords for a JSON body, encoded once: a client's CPU is not the server's to measure."""
+    return dict(content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+
+
+ATTACKS = [  # (what a hostile client sends, the status it must get): each once refused, it costs nothing more
+    (json_body({"prompt": "hi", "logprobs": 10**6, "max_tokens": 8}), 400),  # topk past the vocabulary
+    (json_body({"prompt": "hi", "logprobs": 49152, "max_tokens": 8}), 400),  # the whole vocabulary per token
+    (json_body({"prompt": "hi", "stop": [f"s{i}" for i in range(100_000)], "n": 8, "max_tokens": 8}), 400),
+    (json_body({"prompt": "x" * 10**6}), 400),  # refused by its length, not tokenized
+    (dict(content=b'{"prompt": "' + b"x" * (24 << 20) + b'"}', headers={"content-type": "application/json"}), 413),
+    (dict(content=b'{"prompt": "bad \\ud800 surrogate"}', headers={"content-type": "application/json"}), 400),
+    (dict(content=b'{"prompt": "\xff\xfe"}', headers={"content-type": "application/json"}), 400),
+    # At the limits, and legal: served beside the innocent stream.
+    (json_body({"prompt": "hi", "logprobs": 20, "stop": ["z" * 256] * 32, "max_tokens": 16}), 200),
+]
+
+
+def innocent_stream(server) -> tuple[str, list[float]]:
+    """A greedy stream's text and the gaps between its chunks."""
+    body = {"prompt": PROMPTS[6], "temperature": 0, "max_tokens": 64, "ignore_eos": True, "stream": True}
+    text, arrivals = [], []
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
+        for data in sse_data(response):
+            arrivals.append(time.perf_counter())
+            if data != "[DONE]":
+                text.append(json.loads(data)["choices"][0]["text"])
+    return "".join(text), [b - a for a, b in zip(arrivals, arrivals[1:-1])]
+
+
+def test_abusive_requests_neither_change_nor_stall_an_innocent_stream(server):
+    """The attacks of issue 29, each sent again and again (one at a time per attacker) beside a
+    greedy stream: each is refused (or, at the limits, served), the stream's text is what it is
+    alone, and its median gap between tokens stays within a generous bound of its median alone
+    (unbounded, 100,000 stop strings made it 7.5x). The machine is shared, so the bound is loose:
+    3x plus 50 ms, the better of two tries."""
+    import statistics
+    alone_text, alone_gaps = innocent_stream(server)
+    statuses, done = [set() for _ in ATTACKS], threading.Event()
+
+    def attack(request: dict, seen: set) -> None:
+        with httpx.Client(base_url=server, timeout=60) as http:
+            while not done.wait(0.02):
+                seen.add(http.post("/v1/completions", **request).status_code)
+    attackers = [threading.Thread(target=attack, args=(request, seen)) for (request, _), seen in zip(ATTACKS, statuses)]
+    for thread in attackers:
+        thread.start()
+    try:
+        time.sleep(0.5)  # every attack under way
+        tries = [innocent_stream(server) for _ in range(2)]
+    finally:
+        done.set()
+        for thread in attackers:
+            thread.join(timeout=60)
+    assert [text for text, _ in tries] == [alone_text] * 2
+    assert statuses == [{status} for _, status in ATTACKS]
+    alone, attacked = statistics.median(alone_gaps), min(statistics.median(gaps) for _, gaps in tries)
+    print(f"median gap alone {alone * 1e3:.1f} ms, under attack {attacked * 1e3:.1f} ms")
+    assert attacked < 3 * alone + 0.05, (alone, attacked)
+    assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+    wait_for_idle_stats(server)

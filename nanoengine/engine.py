@@ -143,6 +143,8 @@ class LLMEngine:
         for field in ("logprobs", "prompt_logprobs"):
             if (value := getattr(sampling_params, field)) is not None and value > config.max_logprobs:
                 raise ValueError(f"{field}={value} is more than max_logprobs={config.max_logprobs}")
+            if value is not None and value > self.vocab_size:  # whatever max_logprobs allows: topk would fail the step
+                raise ValueError(f"{field}={value} is more than the vocabulary's {self.vocab_size} tokens")
         stop = sampling_params.stop
         if len(stop) > config.max_stop_strings:
             raise ValueError(f"stop has {len(stop)} strings, more than max_stop_strings={config.max_stop_strings}")

@@ -136,6 +136,9 @@ def test_limits_are_engine_options(tiny_models):
         llm.generate(["hi"], SamplingParams(logprobs=3), use_tqdm=False)
     with pytest.raises(ValueError, match="max_stop_strings=1"):
         llm.generate(["hi"], SamplingParams(stop=["a", "b"]), use_tqdm=False)
+    wide = LLM(tiny_models["llama"], dtype="float32", max_model_len=64, max_logprobs=10**6)
+    with pytest.raises(ValueError, match=f"logprobs=100000 is more than the vocabulary's {wide.vocab_size} tokens"):
+        wide.generate(["hi"], SamplingParams(logprobs=10**5), use_tqdm=False)
     with pytest.raises(ValueError, match="beam_width=4 needs the logprobs of 8 candidates a step, more than max_logprobs=2"):
         llm.beam_search(["hi"], BeamSearchParams(beam_width=4, max_tokens=2))
 

@@ -392,6 +392,17 @@ def test_request_limits_are_flags_with_the_engines_defaults():
     assert "(default: 20, as vLLM)" in help_text and "(default: 32)" in help_text and "(default: 256)" in help_text
 
 
+def test_an_engine_option_the_kernels_cannot_serve_stops_serve_with_a_usage_error(tiny_models):
+    """Refused as the engine is built, not healthy and answering 500 to every request."""
+    result = subprocess.run([sys.executable, "-m", "nanoengine.serve", "--model", tiny_models["llama"], "--device",
+                             "cpu", "--dtype", "float16", "--quantization", "int8"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "error: quantization='int8' needs dtype 'bfloat16', 'float32' or 'auto' (its kernel takes bfloat16 or "
+        "float32 activations), got dtype='float16'")
+
+
 @pytest.mark.parametrize("module", ["fastapi", "uvicorn", "prometheus_client"])
 def test_missing_server_dependency_is_one_line_naming_the_extra(module):
     code = (f"import runpy, sys; sys.modules[{module!r}] = None; "  # None: any import of it fails

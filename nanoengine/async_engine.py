@@ -47,7 +47,7 @@ class RequestOutput:
     text: str  # the text they made final; a stop string and what follows it never appear
     logprobs: list[dict[int, float]] | None  # per token, {token_id: logprob}, if the request asked
     finish_reason: str | None  # None while the sample runs; "stop" (EOS, stop string or id) or "length"
-    step: int  # the engine step that made it: a request's outputs of one step are one token gap apart from the last
+    step: int  # the engine step that made it: a request's outputs of one step are one inter-token gap
 
 
 class RequestStream:
@@ -226,7 +226,8 @@ class AsyncLLMEngine:
             for seq in seqs:
                 if (stream := self._streams.get(seq.request_id)) is not None:
                     logprobs = None if seq.logprobs is None else seq.logprobs[-1:]
-                    self._deliver(stream, RequestOutput(seq.sample_index, [seq.token_ids[-1]], seq.detokenizer.last_delta,
-                                                        logprobs, seq.finish_reason, self._num_steps))
+                    self._deliver(stream, RequestOutput(seq.sample_index, [seq.token_ids[-1]],
+                                                        seq.detokenizer.last_delta, logprobs, seq.finish_reason,
+                                                        self._num_steps))
             for request_id in {seq.request_id for seq in seqs if all(s.is_finished for s in seq.group)}:
                 self._streams.pop(request_id, None)

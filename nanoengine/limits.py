@@ -3,9 +3,8 @@
 A request's body is read whole before anything looks at it, so its size is the first bound: a
 body over ``max_request_body_bytes`` is refused (413) by its ``Content-Length`` before it is
 read, or as soon as the bytes read pass the bound (``BodySizeLimit``; FastAPI's own limit answers
-in plain text). What a request may ask for once parsed
-(logprobs, stop strings, prompt length) is the engine's to bound (config.py, engine.py), checked
-before it is queued.
+in plain text). What a request may ask for once parsed (logprobs, stop strings, prompt length) is
+the engine's to bound (config.py, engine.py), checked before it is queued.
 
 Every error leaves in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, whoever
 raised it: a field that fails validation (all of them named at once), a value the engine refuses

@@ -75,7 +75,8 @@ async def unless_disconnected(request: Request, work: Awaitable[dict]) -> dict |
     return Response(status_code=499)  # nginx's "client closed request": nobody is left to read it
 
 
-def create_app(engine: AsyncLLMEngine, model_name: str, max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> FastAPI:
+def create_app(engine: AsyncLLMEngine, model_name: str,
+               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield

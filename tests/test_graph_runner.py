@@ -271,6 +271,7 @@ def test_two_engines_capturing_cpu_graphs_on_two_threads_each_generate_what_eage
         for thread in threads:
             thread.join()
         assert outputs == eager
-        for engine in engines.values():  # one kernel call per graph per run of a step's kernels, no more
-            counts = {len([c for c in g.calls if isinstance(c, KernelCall)]) for g in engine.model_runner.graph_runner.graphs.values()}
+        for engine in engines.values():  # each graph holds its own step's kernel calls, no more, no fewer
+            graphs = engine.model_runner.graph_runner.graphs.values()
+            counts = {sum(isinstance(call, KernelCall) for call in graph.calls) for graph in graphs}
             assert len(counts) == 1, counts

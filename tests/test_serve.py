@@ -350,8 +350,8 @@ def test_metrics_time_a_request_with_n_samples_once_per_step_and_count_how_reque
     # Six steps gave the n=4 request its tokens: one first token, then five gaps (not 6 * 4 - 1).
     assert after["time_to_first_token_seconds_count"] - before["time_to_first_token_seconds_count"] == 1
     assert after["inter_token_latency_seconds_count"] - before["inter_token_latency_seconds_count"] == 5
-    assert httpx.post(f"{server}/v1/completions", json={**body, "n": 1, "stop": " ", "ignore_eos": False,
-                                                        "max_tokens": 200, "temperature": 0}, timeout=30).status_code == 200
+    stopped = {**body, "n": 1, "stop": " ", "ignore_eos": False, "max_tokens": 200, "temperature": 0}
+    assert httpx.post(f"{server}/v1/completions", json=stopped, timeout=30).status_code == 200
     with httpx.stream("POST", f"{server}/v1/completions", timeout=30,
                       json={**body, "max_tokens": 1000, "n": 2, "stream": True}) as response:
         next(sse_data(response))  # then the client leaves: aborted

@@ -3,13 +3,19 @@
 Random token-id prompts from a seeded generator, input and output lengths uniform in their
 ranges, EOS ignored, every request submitted at once. Throughput is output tokens over the wall
 time of ``generate`` (model loading excluded). ``--compare-hf`` runs HF transformers' ``generate``
-on the same requests, in the same process, dtype and device, for the ratio. ``--preset nano-vllm`` is
-nano-vllm's published setup (256 sequences, input and output lengths uniform in 100..1024;
-nano-vllm ran it with Qwen3-0.6B), the command to compare against its numbers on a GPU.
+on the same requests, dtype and device, for the ratio (on CUDA after the engine's cache and graphs are
+freed). ``--preset nano-vllm`` is nano-vllm's bench.py exactly (256 sequences, input and output
+lengths uniform in 100..1024, prompt ids uniform in 0..10000, max_model_len 4096, a step budget of
+16384 tokens; nano-vllm ran it with Qwen3-0.6B), the command to compare against its numbers on a GPU.
+``--load-format dummy`` runs a model directory that holds only its config.json (tests/data keeps
+Qwen3-0.6B's), with random weights: throughput does not depend on their values.
 ``--timeline PATH.png`` plots the run step by step (needs matplotlib: ``pip install -e ".[plot]"``).
+``--penalties`` gives every request a repetition penalty of 1.1 and presence and frequency penalties
+of 0.5, to measure what the logits processors cost.
 """
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -23,27 +29,33 @@ from nanoengine.trace import StepObserver
 
 
 def make_requests(args, vocab_size: int):
+    """Prompts, then output lengths, drawn in nano-vllm's order from one seeded generator."""
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
+    top = 10000 if getattr(args, "preset", None) == "nano-vllm" else vocab_size - 1  # nano-vllm: randint(0, 10000)
+    prompts = [[rng.randint(0, top) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
                for _ in range(args.num_seqs)]
     output_lens = [rng.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_seqs)]
     return prompts, output_lens
 
 
-def hf_throughputs(llm: LLM, prompts, output_lens, dtype: torch.dtype, device: torch.device) -> dict[int, float]:
+def hf_throughputs(config, prompts, output_lens, dtype: torch.dtype, device: torch.device) -> dict[int, float]:
     """HF generate's throughput in static, left-padded batches of 8, 32 and 64.
 
     Each batch size runs the whole workload, and the caller reports the fastest. A short probe
     to choose one was tried first. On this noisy machine it once chose batch 8, at 93 tok/s
-    against 155 at batch 32, and that flattered the ratio.
+    against 155 at batch 32, and that flattered the ratio. With ``load_format="dummy"`` HF's model
+    is built from the config with its own random weights, as the engine's are.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from nanoengine.loader import resolve_model_path
-    path = resolve_model_path(llm.config.model)
-    kwargs = {"gguf_file": os.path.basename(path)} if path.endswith(".gguf") else {}
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) if kwargs else path, dtype=dtype, **kwargs)
+    path = resolve_model_path(config.model)
+    if config.load_format == "dummy":
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    else:
+        kwargs = {"gguf_file": os.path.basename(path)} if path.endswith(".gguf") else {}
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) if kwargs else path, dtype=dtype, **kwargs)
     model.to(device).eval()
-    pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
     def run(batch_prompts, batch_lens) -> float:
         width = max(map(len, batch_prompts))
@@ -65,37 +77,42 @@ def hf_throughputs(llm: LLM, prompts, output_lens, dtype: torch.dtype, device: t
 
 
 def plot_timeline(records: list[dict], path: str, title: str) -> None:
-    """Per step: the batch (prompt tokens computed, sequences decoding), the KV blocks in use against
-    the cache's size, and the steps that preempted or read prompts from the prefix cache."""
+    """Per step, one panel each: prompt tokens computed (a log scale, so that the first prefill,
+    hundreds of tokens, does not flatten the later ones), sequences decoding, KV blocks in use against
+    the cache's size, and the steps that preempted or read prompts from the prefix cache. Legends sit
+    outside the panels, never over the data."""
     import matplotlib
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    fig, (batch, blocks, events) = plt.subplots(3, 1, sharex=True, figsize=(10, 7), height_ratios=[2, 2, 1])
-    batch.bar(steps, [r["prefill_tokens"] for r in records], width=1.0, color="tab:orange", label="prompt tokens")
-    batch.set_ylabel("prompt tokens")
-    decode = batch.twinx()
-    decode.plot(steps, [r["decode_seqs"] for r in records], color="tab:blue", label="decoding sequences")
-    decode.set_ylabel("decoding sequences")
-    batch.legend(handles=batch.get_legend_handles_labels()[0] + decode.get_legend_handles_labels()[0],
-                 loc="upper right")
-    batch.set_title(title)
+    fig, (prompt, decode, blocks, events) = plt.subplots(4, 1, sharex=True, figsize=(11, 8),
+                                                         height_ratios=[2, 1.5, 2, 1.2])
+    prompt.bar(steps, [r["prefill_tokens"] for r in records], width=1.0, color="tab:orange",
+               label="prompt tokens computed")
+    prompt.set_yscale("log")
+    prompt.set_ylim(bottom=1)
+    prompt.set_ylabel("prompt tokens")
+    prompt.set_title(title)
+    decode.step(steps, [r["decode_seqs"] for r in records], where="mid", color="tab:blue",
+                label="sequences decoding")
+    decode.set_ylim(bottom=0)
+    decode.set_ylabel("sequences")
     blocks.fill_between(steps, [r["kv_blocks_used"] for r in records], step="mid", color="tab:green", alpha=0.5,
                         label="KV blocks in use")
     blocks.axhline(records[0]["num_kv_blocks"], color="black", linestyle="--", label="KV blocks in the cache")
     blocks.set_ylim(bottom=0)
     blocks.set_ylabel("KV blocks")
-    blocks.legend(loc="lower right")
     events.bar(steps, [r["prefix_hit_tokens"] for r in records], width=1.0, color="tab:purple",
-               label="prompt tokens from the prefix cache")
+               label="prompt tokens from\nthe prefix cache")
     events.set_ylabel("cached tokens")
     preempted = [(s, r["preemptions"]) for s, r in zip(steps, records) if r["preemptions"]]
     for s, _ in preempted:
         events.axvline(s, color="tab:red", alpha=0.6)
-    events.plot([], [], color="tab:red", label=f"preemption ({sum(n for _, n in preempted)} in all)")
-    events.legend(loc="upper right")
+    events.plot([], [], color="tab:red", label=f"preemption\n({sum(n for _, n in preempted)} in all)")
     events.set_xlabel("engine step")
+    for ax in (prompt, decode, blocks, events):
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -113,10 +130,14 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Apply ``--preset`` and check the length ranges."""
+    """Apply ``--preset`` and check the length ranges; ``args.max_model_len`` is the engine's."""
+    args.max_model_len = args.max_input_len + args.max_output_len
     if args.preset == "nano-vllm":
         args.num_seqs, args.min_input_len, args.max_input_len = 256, 100, 1024
         args.min_output_len, args.max_output_len = 100, 1024
+        args.max_model_len = 4096
+        if getattr(args, "max_num_batched_tokens", None) is None:
+            args.max_num_batched_tokens = 16384  # nano-vllm's default budget
     for lo, hi in (("min_input_len", "max_input_len"), ("min_output_len", "max_output_len")):
         if not 1 <= getattr(args, lo) <= getattr(args, hi):
             parser.error(f"--{lo.replace('_', '-')} must be >= 1 and <= --{hi.replace('_', '-')}")
@@ -137,6 +158,12 @@ def main():
     parser.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the same requests")
     parser.add_argument("--num-kvcache-blocks", type=int, help="a fixed KV cache size (default: from the memory budget)")
     parser.add_argument("--timeline", metavar="PATH.png", help="plot batch, KV blocks and preemptions per step")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "flash-attn", "triton", "torch"],
+                        help="auto: flash-attn on CUDA where installed, else Triton; the C++ kernels on CPU")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights, for a model directory with only its config.json")
+    parser.add_argument("--penalties", action="store_true",
+                        help="every request with repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5")
     args = parser.parse_args()
     resolve_workload(parser, args)
     if args.timeline:
@@ -145,12 +172,15 @@ def main():
         except ImportError:
             parser.error('--timeline needs matplotlib: pip install -e ".[plot]"')
 
+    # Token-id prompts only: no tokenizer needed, so a directory with just a config.json runs too.
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-              quantization=args.quantization, max_model_len=args.max_input_len + args.max_output_len,
+              quantization=args.quantization, max_model_len=args.max_model_len, skip_tokenizer_init=True,
+              attention_backend=args.attention_backend, load_format=args.load_format,
               enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
               tensor_parallel_size=args.tensor_parallel_size, num_kvcache_blocks=args.num_kvcache_blocks)
     prompts, output_lens = make_requests(args, llm.vocab_size)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
+    penalties = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5) if args.penalties else {}
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **penalties) for n in output_lens]
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     observer = StepObserver(llm) if args.timeline else None  # counts per step, after the warm-up
     before = llm.stats()
@@ -186,8 +216,16 @@ def main():
     if args.num_seqs == 1:
         print(f"Single request: TTFT: {results['ttft_ms']:.1f}ms, TPOT: {results['tpot_ms']:.2f}ms "
               f"({1e3 / results['tpot_ms']:.1f}tok/s)")
+    if args.timeline:
+        plot_timeline(observer.records, args.timeline, f"bench.py: {args.num_seqs} requests, {total} output tokens, "
+                      f"{'chunked prefill' if args.enable_chunked_prefill else 'prefill-first'}")
     if args.compare_hf:
-        by_batch = hf_throughputs(llm, prompts, output_lens, llm.model_runner.dtype, llm.model_runner.device)
+        config, dtype, device = llm.config, llm.model_runner.dtype, llm.model_runner.device
+        del llm, observer  # on a GPU, HF gets the memory of the engine's KV cache and graphs back
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        by_batch = hf_throughputs(config, prompts, output_lens, dtype, device)
         batch = max(by_batch, key=by_batch.get)
         results.update(hf_throughput_by_batch=by_batch, hf_throughput_tok_per_s=by_batch[batch], hf_batch_size=batch,
                        speedup_vs_hf=results["throughput_tok_per_s"] / by_batch[batch])
@@ -196,9 +234,6 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
-    if args.timeline:
-        plot_timeline(observer.records, args.timeline, f"bench.py: {args.num_seqs} requests, {total} output tokens, "
-                      f"{'chunked prefill' if args.enable_chunked_prefill else 'prefill-first'}")
     print(f"Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s")
 
 

@@ -202,7 +202,7 @@ def main():
         # bench.py's max_model_len, which sizes the CPU's KV cache; argparse keeps the last of a
         # repeated option, so a --max-model-len among server_args wins.
         model = ["--model", args.model] if args.model else []
-        max_model_len = ["--max-model-len", str(args.max_input_len + args.max_output_len)]
+        max_model_len = ["--max-model-len", str(args.max_model_len)]
         with nanoengine_server([*model, *max_model_len, *server_args]) as url:
             results, duration = asyncio.run(run(url, prompts, output_lens, args.request_rate, args.seed))
     s = summarize(results, duration)

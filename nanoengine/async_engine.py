@@ -121,9 +121,9 @@ class AsyncLLMEngine:
         """The prompt's token ids; a ``ValueError`` if it is empty or too long. Reads the engine only."""
         return self.engine.tokenize(prompt)
 
-    def chat_prompt(self, conversation: list[dict]) -> list[int]:
+    def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
         """A conversation's prompt token ids (``LLMEngine.chat_prompt``). Reads the engine only."""
-        return self.engine.chat_prompt(conversation)
+        return self.engine.chat_prompt(conversation, chat_template_kwargs)
 
     async def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> RequestStream:
         """Queue a request; a bad one raises ``ValueError`` here, before any output exists."""

@@ -2,13 +2,20 @@
 
 Each step, an attention layer first stores this step's keys and values into the cache through
 the slot mapping, then attends: a prefill step over variable-length sequences packed into one
-batch, a decode step with one query per sequence over its block table. The kernels have
-flash-attn's signatures and semantics. On CUDA they *are* flash-attn (and a Triton kernel for the
-store); on CPU they are small C++ kernels (cpu_kernels.py), which fall back to the pure-torch
-reference functions (torch_attention.py, ``store_kvcache_torch``) where they cannot run. Learner
-mode (``LLM(learner_mode=True)``) runs the pure-torch functions on any device, decode through the
-plain per-sequence one. The choice is made once, in ``get_backend``; the model never asks which
-device it runs on.
+batch, a decode step with one query per sequence over its block table. Every backend has
+flash-attn's signatures and semantics (the subset nanoengine uses), so the model never asks which
+one runs:
+
+- "flash-attn": flash-attn itself, on CUDA, with the Triton store (store_kvcache.py);
+- "triton": the same two functions written in Triton (triton_attention.py), on CUDA where
+  flash-attn is not installed, and on CPU tensors under Triton's interpreter for testing;
+- "cpu": small C++ kernels (cpu_kernels.py), which fall back to the pure-torch functions where they
+  cannot run;
+- "torch": the pure-torch reference functions (torch_attention.py), on either device. Learner mode
+  (``LLM(learner_mode=True)``) runs them too, decode through the plain per-sequence one.
+
+``Config.attention_kernels`` picks one (``attention_backend="auto"``: flash-attn on CUDA where it is
+installed, else Triton; the C++ kernels on CPU); ``get_backend`` builds it, once.
 """
 
 from dataclasses import dataclass
@@ -19,8 +26,10 @@ from torch import nn
 
 from nanoengine.context import Context
 from nanoengine.cpu_kernels import flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu, store_kvcache_cpu
-from nanoengine.store_kvcache import store_kvcache_torch
-from nanoengine.torch_attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_plain
+from nanoengine.store_kvcache import store_kvcache_torch, store_kvcache_triton
+from nanoengine.torch_attention import (flash_attn_varlen_func_torch, flash_attn_with_kvcache_plain,
+                                        flash_attn_with_kvcache_torch)
+from nanoengine.triton_attention import flash_attn_varlen_func_triton, flash_attn_with_kvcache_triton
 
 
 @dataclass(frozen=True)
@@ -30,17 +39,20 @@ class AttentionBackend:
     flash_attn_with_kvcache: Callable
 
 
-def get_backend(device: torch.device, learner_mode: bool = False) -> AttentionBackend:
+def get_backend(kernels: str, device: torch.device, learner_mode: bool = False) -> AttentionBackend:
+    """The functions of ``kernels`` ("flash-attn", "triton", "cpu" or "torch"; Config.attention_kernels)."""
+    # On CUDA the store is always Triton's: the torch store's mask syncs with the host, breaking graphs.
+    store = store_kvcache_triton if device.type == "cuda" or kernels == "triton" else store_kvcache_torch
     if learner_mode:
-        return AttentionBackend(store_kvcache_torch, flash_attn_varlen_func_torch, flash_attn_with_kvcache_plain)
-    if device.type != "cuda":
+        return AttentionBackend(store, flash_attn_varlen_func_torch, flash_attn_with_kvcache_plain)
+    if kernels == "cpu":
         return AttentionBackend(store_kvcache_cpu, flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu)
-    try:
-        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-    except ImportError as e:
-        raise ValueError("running on CUDA needs flash-attn: `pip install .[gpu]` (or pass device='cpu')") from e
-    from nanoengine.store_kvcache import store_kvcache_triton
-    return AttentionBackend(store_kvcache_triton, flash_attn_varlen_func, flash_attn_with_kvcache)
+    if kernels == "torch":
+        return AttentionBackend(store, flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch)
+    if kernels == "triton":
+        return AttentionBackend(store, flash_attn_varlen_func_triton, flash_attn_with_kvcache_triton)
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # Config checked it is installed
+    return AttentionBackend(store, flash_attn_varlen_func, flash_attn_with_kvcache)
 
 
 class Attention(nn.Module):
@@ -51,7 +63,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.k_cache = self.v_cache = torch.empty(0)
-        self.backend = get_backend(torch.device("cpu"))
+        self.backend = get_backend("cpu", torch.device("cpu"))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context) -> torch.Tensor:
         """q: [num_tokens, H, D], k and v: [num_tokens, Hk, D] -> [num_tokens, H, D]."""

@@ -4,9 +4,18 @@
 out-of-range option fails here with a ``ValueError`` instead of deep inside a step.
 """
 
+import importlib.util
 from dataclasses import dataclass, field, fields
 
 import torch
+
+ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
+
+
+def _triton_interprets() -> bool:
+    """Whether Triton runs kernels in its interpreter, on CPU tensors (TRITON_INTERPRET=1)."""
+    from triton import knobs  # imported only to ask: it takes a while
+    return knobs.runtime.interpret
 
 
 @dataclass
@@ -15,7 +24,7 @@ class Config:
     max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len)
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: min(4096, the model's context length)
-    kvcache_block_size: int | None = None  # None: 16 on CPU, 256 on CUDA (flash-attn's page size)
+    kvcache_block_size: int | None = None  # None: 256 with flash-attn (its page size), else 16
     num_kvcache_blocks: int | None = None  # None: sized from the memory budget
     enforce_eager: bool = False
     tensor_parallel_size: int = 1  # ranks the model is split over (worker.py)
@@ -25,6 +34,13 @@ class Config:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = False  # mix decodes and prompt chunks in one step (scheduler.py)
     quantization: str | None = None  # None, "int8" or "int4": weight-only (quantization.py)
+    # Which kernels attend (attention.py): "auto" is flash-attn on CUDA where it is installed, else the
+    # Triton kernels; on CPU the C++ kernels. "torch" is the pure-torch reference on either device.
+    attention_backend: str = "auto"
+    # "auto" reads the checkpoint; "dummy" fills the model with random weights instead (vLLM's name),
+    # for benchmarks on a machine that has a model's config.json and not its weights.
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False  # token-id prompts only; outputs carry token ids, text is None
     # Pure torch everywhere, for reading and stepping through in a debugger: no C++ kernels, no CUDA
     # graphs, attention by torch_attention.py's plain functions. Same tokens, slower.
     learner_mode: bool = False
@@ -50,7 +66,8 @@ class Config:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill", "learner_mode"):
+        for name in ("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill", "learner_mode",
+                     "skip_tokenizer_init"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("max_logprobs", "max_stop_strings", "max_stop_string_length"):
@@ -79,8 +96,41 @@ class Config:
         if self.quantization is not None and self.dtype == "float16":
             raise ValueError(f"quantization={self.quantization!r} needs dtype 'bfloat16', 'float32' or 'auto' "
                              "(its kernel takes bfloat16 or float32 activations), got dtype='float16'")
-        if self.torch_device.type == "cuda" and self.dtype == "float32":
-            raise ValueError("dtype='float32' cannot run on CUDA: flash-attn takes float16 or bfloat16")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        self._check_attention_backend()
+
+    def _check_attention_backend(self) -> None:
+        """A backend that cannot run here is refused now, with what would make it run."""
+        backend, cuda = self.attention_backend, self.torch_device.type == "cuda"
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+        if self.learner_mode and backend not in ("auto", "torch"):
+            raise ValueError(f"learner_mode=True runs the pure-torch attention; attention_backend={backend!r} "
+                             "cannot go with it (leave it 'auto')")
+        kernels = self.attention_kernels
+        if kernels == "flash-attn" and not cuda:
+            raise ValueError("attention_backend='flash-attn' needs a CUDA device; on CPU leave it 'auto'")
+        if kernels == "flash-attn" and importlib.util.find_spec("flash_attn") is None:
+            raise ValueError("attention_backend='flash-attn' but flash-attn is not installed: build it as "
+                             "docs/gpu.md says, or pass attention_backend='triton'")
+        if kernels == "flash-attn" and self.dtype == "float32":
+            raise ValueError("dtype='float32' cannot run with flash-attn, which takes float16 or bfloat16 "
+                             "(attention_backend='triton' takes float32)")
+        if (kernels == "triton" or cuda) and importlib.util.find_spec("triton") is None:
+            raise ValueError("the CUDA path needs triton (its KV store is a Triton kernel): pip install triton")
+        if kernels == "triton" and not cuda and not _triton_interprets():
+            raise ValueError("attention_backend='triton' runs on CUDA; on CPU only under Triton's interpreter "
+                             "(TRITON_INTERPRET=1, for testing the kernels): leave it 'auto' for the C++ kernels")
+
+    @property
+    def attention_kernels(self) -> str:
+        """The attention backend in effect: "auto" resolved for the device ("cpu" for the C++ kernels)."""
+        if self.learner_mode or self.attention_backend != "auto":
+            return "torch" if self.learner_mode else self.attention_backend
+        if self.torch_device.type != "cuda":
+            return "cpu"
+        return "flash-attn" if importlib.util.find_spec("flash_attn") is not None else "triton"
 
     @property
     def torch_device(self) -> torch.device:

@@ -13,6 +13,7 @@ itself runs (``interrupts_deferred``), so it can never land between two related 
 model's forward stays interruptible.
 """
 
+import inspect
 import signal
 import threading
 import time
@@ -59,13 +60,14 @@ class LLMEngine:
         self.config = config = Config.from_kwargs(model, kwargs)
         path = checkpoint_directory(resolve_model_path(model))
         hf_config = load_hf_config(path)
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
         self.vocab_size = hf_config.vocab_size
         config.resolve_limits(hf_config.max_position_embeddings)
         # Tensor parallelism: the other ranks start first, and load their shards as this one loads its own.
         self.workers = start_workers(config, hf_config, path) if config.tensor_parallel_size > 1 else None
+        eos_token_ids = load_eos_token_ids(path, hf_config, self.tokenizer)
         try:
-            self.model_runner = ModelRunner(config, hf_config, path, self.workers and self.workers.group)
+            self.model_runner = ModelRunner(config, hf_config, path, self.workers and self.workers.group, eos_token_ids)
         except BaseException:
             if self.workers is not None:
                 self.workers.shutdown()
@@ -74,8 +76,9 @@ class LLMEngine:
         # No token covers more characters than the vocabulary's longest (a byte-level token's string
         # has a character per byte), so a text longer than this has more than max_model_len tokens:
         # refused before the tokenizer spends seconds on it (24 MB took 20 s, and memory kept).
-        self.max_prompt_chars = config.max_model_len * max(map(len, self.tokenizer.get_vocab()))
-        eos_token_ids = load_eos_token_ids(path, hf_config, self.tokenizer)
+        # Without a tokenizer (skip_tokenizer_init) prompts are token ids, and there is no bound to keep.
+        self.max_prompt_chars = (config.max_model_len * max(map(len, self.tokenizer.get_vocab()))
+                                 if self.tokenizer is not None else None)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.model_runner.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -87,6 +90,8 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids, or a ``ValueError`` if the engine could never serve it."""
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("prompts must be lists of token ids: the engine has no tokenizer (skip_tokenizer_init=True)")
         if isinstance(prompt, str):
             self.check_prompt_text(prompt)
             token_ids = self.tokenizer.encode(prompt)
@@ -117,18 +122,25 @@ class LLMEngine:
             except UnicodeEncodeError as e:
                 raise ValueError(f"prompt is not valid Unicode text: a lone surrogate at character {e.start}") from None
 
-    def chat_prompt(self, conversation: list[dict]) -> list[int]:
+    def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
         """A conversation's prompt token ids: the tokenizer's chat template with the generation prompt.
 
         Tokenized by the template itself, which writes BOS and the like: rendering it to text and
-        encoding that with special tokens would put a second BOS in front.
+        encoding that with special tokens would put a second BOS in front. ``chat_template_kwargs``
+        are the template's own variables, as vLLM passes them (Qwen3's ``enable_thinking``).
         """
         if not isinstance(conversation, list) or not conversation or not all(isinstance(m, dict) for m in conversation):
             raise ValueError("a conversation must be a non-empty list of {'role', 'content'} dicts")
+        if self.tokenizer is None:
+            raise ValueError("chat needs the tokenizer's chat template: the engine has none (skip_tokenizer_init=True)")
+        variables = dict(chat_template_kwargs or {})
+        if taken := sorted(variables.keys() & inspect.signature(self.tokenizer.apply_chat_template).parameters.keys()):
+            raise ValueError(f"chat_template_kwargs may set only the template's variables, not {taken} "
+                             "(arguments of apply_chat_template itself)")
         self.check_prompt_text(*(str(m.get("content", "")) for m in conversation))  # the template adds more
         try:
             token_ids = self.tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True,
-                                                           return_dict=False)
+                                                           return_dict=False, **variables)
         except TemplateError as e:  # templates may reject a conversation, e.g. roles out of order
             raise ValueError(f"the chat template rejected the messages: {e}") from e
         return self.tokenize(list(token_ids))
@@ -137,9 +149,16 @@ class LLMEngine:
         """A ``ValueError`` for parameters this engine could never serve."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if sampling_params.n > self.config.max_num_seqs:  # a request's samples run side by side
+            raise ValueError(f"n={sampling_params.n} is more than max_num_seqs={self.config.max_num_seqs}")
+        if sampling_params.stop and self.tokenizer is None:  # stop strings are found in the text
+            raise ValueError("stop strings need text: the engine has no tokenizer (skip_tokenizer_init=True); "
+                             "use stop_token_ids")
+        for field in ("logit_bias", "stop_token_ids"):  # min_tokens masks stop tokens in the logits
+            if bad := [t for t in getattr(sampling_params, field) if not 0 <= t < self.vocab_size]:
+                raise ValueError(f"{field} names token ids {bad[:5]} outside the model's vocabulary "
+                                 f"[0, {self.vocab_size})")
         config = self.config
-        if sampling_params.n > config.max_num_seqs:  # a request's samples run side by side
-            raise ValueError(f"n={sampling_params.n} is more than max_num_seqs={config.max_num_seqs}")
         for field in ("logprobs", "prompt_logprobs"):
             if (value := getattr(sampling_params, field)) is not None and value > config.max_logprobs:
                 raise ValueError(f"{field}={value} is more than max_logprobs={config.max_logprobs}")
@@ -156,7 +175,8 @@ class LLMEngine:
         """Queue a request; returns its id. The prompt is checked before anything is queued."""
         self.check_sampling_params(sampling_params)
         seq = Sequence(self.tokenize(prompt), sampling_params, self.model_runner.block_size)
-        seq.detokenizer = Detokenizer(self.tokenizer, sampling_params.stop)
+        if self.tokenizer is not None:  # without one, outputs are token ids and their text is None
+            seq.detokenizer = Detokenizer(self.tokenizer, sampling_params.stop)
         self.scheduler.add(seq)
         self.requests[seq.seq_id] = seq
         self.counters["prompt_tokens"] += seq.num_prompt_tokens
@@ -179,13 +199,13 @@ class LLMEngine:
         if self.scheduler.is_finished():
             return []
         with interrupts_deferred():
-            seqs = self.scheduler.schedule()
+            seqs, blocks_to_copy = self.scheduler.schedule()
         # A step that computes any prompt token is a prefill step (with chunked prefill, decodes too).
         phase = "decode" if all(seq.is_decode for seq in seqs) else "prefill"
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         start = time.perf_counter()
         try:
-            out = self.model_runner.run(seqs, self.scheduler.blocks_to_copy)
+            out = self.model_runner.run(seqs, blocks_to_copy)
             with interrupts_deferred():
                 stepped = self.scheduler.postprocess(seqs, out.token_ids, out.logprobs, out.prompt_logprobs)
         except BaseException:

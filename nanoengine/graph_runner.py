@@ -89,7 +89,7 @@ class DecodeGraphRunner:
         except RuntimeError as e:
             self.graphs.clear()
             warnings.warn(f"CUDA graph capture failed, so decode runs eagerly (slower, same results): {e}. "
-                          "A kernel synced with the host during capture; see the README's GPU install notes "
+                          "A kernel synced with the host during capture; see docs/gpu.md "
                           "for a flash-attn version that does not, or pass enforce_eager=True to skip capture.",
                           RuntimeWarning)
 

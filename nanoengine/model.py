@@ -5,20 +5,23 @@ normalises each query and key head (RMSNorm over head_dim) before the rotary emb
 Tokens of all sequences in a step are packed into one flat batch, ``[num_tokens, hidden]``:
 there is no padding anywhere in the model; the ``Context`` tells attention where sequences start.
 
-With tensor parallelism (``tp``, see layers.py for the splits) a rank holds ``1/size`` of the
+With tensor parallelism (``tp``, see linear.py for the splits) a rank holds ``1/size`` of the
 attention heads, of the MLP's intermediate features and of the vocabulary. When there are fewer
 kv heads than ranks, each kv head is held by ``size / num_kv_heads`` ranks (as in vLLM): a rank
 keeps the one kv head its query heads read.
 """
 
+import contextlib
+
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from transformers import PretrainedConfig
 
 from nanoengine.attention import Attention
 from nanoengine.context import Context
-from nanoengine.layers import (PackedLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul,
-                               VocabParallelEmbedding)
+from nanoengine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from nanoengine.linear import PackedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from nanoengine.parallel import Shard, TensorParallelGroup
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -170,3 +173,37 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary; with tensor parallelism on rank 0 only (None elsewhere)."""
         return self.lm_head(hidden)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Create parameters directly in ``dtype``: building in float32 and casting would hold twice
+    the weights' final size at the peak. Restored on exit, so the process's default is untouched."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class skip_weight_init(TorchFunctionMode):
+    """Build a model without ``torch.nn.init``'s random fills: ``load_weights`` overwrites every
+    weight next, so filling them first is wasted work (0.8 s of ``kaiming_uniform_`` for the default
+    model's 135M weights). Only ``torch.nn.init``'s functions are skipped; the rest of construction
+    (norm weights of ones, the rotary table, which is computed rather than loaded) runs as usual. Like
+    ``torch.device(...)``, a mode holds only in the block and the thread that enter it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return kwargs["tensor"]  # nn.init hands the tensor over by keyword
+        return func(*args, **kwargs)
+
+
+def build_model(hf_config: PretrainedConfig, max_position: int, tp: TensorParallelGroup | None,
+                device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """The model, made directly on ``device`` in ``dtype``, its weights not yet filled (the loader
+    fills every one next). RotaryEmbedding's angle table names float32 itself, so it stays float32."""
+    with torch.device(device), default_dtype(dtype), skip_weight_init():
+        return CausalLM(hf_config, max_position=max_position, tp=tp).eval()

@@ -10,50 +10,25 @@ cache (its kv heads); rank 0's also sends each step's inputs to the others (``co
 which run ``execute_model`` on them (worker.py).
 """
 
-import contextlib
-import ctypes
 import dataclasses
-import math
-import mmap
 
 import torch
-from torch.overrides import TorchFunctionMode
 from transformers import PretrainedConfig
 
-from nanoengine import cpu_kernels, quantization
 from nanoengine.attention import Attention, get_backend
 from nanoengine.config import Config
 from nanoengine.context import Context
-from nanoengine.cpu_library import cpu_features, load
+from nanoengine.cpu_runtime import keep_freed_memory_for_reuse, use_cpu_kernels, zeros
 from nanoengine.graph_runner import DecodeGraphRunner
-from nanoengine.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
-from nanoengine.loader import load_weights
-from nanoengine.model import CausalLM
+from nanoengine.linear import quantize_linears
+from nanoengine.loader import load_dummy_weights, load_weights
+from nanoengine.logits_processors import build_logits_processors
+from nanoengine.model import build_model
 from nanoengine.parallel import TensorParallelGroup
 from nanoengine.sampler import Sampler, SamplerOutput, compute_logprobs
 from nanoengine.sequence import Sequence
 
 CPU_KVCACHE_BYTES = 1 << 30  # the RAM budget for the KV cache on CPU
-
-
-def keep_freed_memory_for_reuse() -> None:
-    """On CPU, stop glibc's malloc from handing large freed buffers back to the kernel.
-
-    Every step allocates the same large activations again (a prefill's MLP output alone is tens
-    of MB). By default glibc serves such sizes with a fresh ``mmap`` and unmaps them on free, so
-    each step pays a page fault per 4 KiB touched; measured here, that made SiLU and the
-    element-wise products of prefill 3-10x slower than the arithmetic, and the whole benchmark
-    ~20% slower. Raising the mmap and trim thresholds keeps freed memory in the heap, where the
-    next step finds it already mapped; the cost is that resident memory stays at its peak.
-    A no-op where the C library is not glibc.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
-        libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
-    except (OSError, AttributeError):
-        pass
 
 
 def kvcache_budget_bytes(total: int, free: int, torch_reserved: int, torch_peak: int, graph_pool: int,
@@ -80,99 +55,37 @@ def warmup_lengths(num_tokens: int, max_num_seqs: int, max_model_len: int) -> li
     return [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    """Create parameters directly in ``dtype``: building in float32 and casting would hold twice
-    the weights' final size at the peak. Restored on exit, so the process's default is untouched."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-class skip_weight_init(TorchFunctionMode):
-    """Build a model without ``torch.nn.init``'s random fills: ``load_weights`` overwrites every
-    weight next, so filling them first is wasted work (0.8 s of ``kaiming_uniform_`` for the default
-    model's 135M weights). Only ``torch.nn.init``'s functions are skipped; the rest of construction
-    (norm weights of ones, the rotary table, which is computed rather than loaded) runs as usual. Like
-    ``torch.device(...)``, a mode holds only in the block and the thread that enter it."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__module__", None) == "torch.nn.init":
-            return kwargs["tensor"]  # nn.init hands the tensor over by keyword
-        return func(*args, **kwargs)
-
-
-def use_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Point the model's RMSNorms, SiLU-and-muls and rotary embedding at the C++ kernels, if they
-    build for ``dtype``; in bf16 on a CPU with AVX512-BF16, its linear layers too."""
-    if dtype not in cpu_kernels.DTYPES or load("cpu_layers.cpp") is None:
-        return
-    kernels = {RMSNorm: cpu_kernels.add_rms_norm, SiluAndMul: cpu_kernels.silu_and_mul,
-               RotaryEmbedding: cpu_kernels.rotary}
-    packs_linears = (dtype == torch.bfloat16 and "avx512_bf16" in cpu_features().split()
-                     and load("cpu_linear.cpp") is not None)
-    for module in model.modules():
-        if type(module) in kernels:
-            module.kernel = kernels[type(module)]
-        elif packs_linears and isinstance(module, Linear) and not module.quantized and module.in_features % 2 == 0:
-            module.use_cpu_kernel()
-
-
-def quantize_linears(model: torch.nn.Module, fmt: str) -> None:
-    """Switch every linear layer to weights in ``fmt`` where the kernel takes its shape
-    (quantization.can_quantize); the rest keep theirs. The LM head is never below int8 (as llama.cpp
-    keeps its output tensor wider): in int4 it cost the default model 8% perplexity, in int8 0.5%."""
-    for name, module in model.named_modules():
-        layer_fmt = "int8" if name == "lm_head" else fmt
-        if isinstance(module, Linear) and quantization.can_quantize(module.out_features, module.in_features):
-            module.quantize(layer_fmt)
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.zeros``, but on CPU in fresh anonymous memory (``mmap``), which the kernel hands out as
-    zero pages, each faulted in when first written: the 1 GiB CPU KV cache is ready at once (filling
-    it with zeros took 1-1.6 s here) and takes RAM only for blocks that have held tokens; the step
-    that first fills a block pays for its pages instead. Unlike memory from the heap, it never holds
-    a freed tensor's bytes, and it goes back to the kernel when the tensor is freed."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    # Private, as heap memory is: Python's default for an anonymous map is shared, which here took
-    # 1.5x as long to fault in and would be written through by a forked child.
-    buffer = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps it alive
-
-
-def kvcache_block_size(requested: int | None, device: torch.device) -> int:
-    """The KV block size: 256 on CUDA (flash-attn's paged KV needs pages of a multiple of 256), 16 on CPU."""
-    block_size = requested or (256 if device.type == "cuda" else 16)
-    if device.type == "cuda" and block_size % 256:
-        raise ValueError(f"kvcache_block_size={block_size}: flash-attn's paged KV cache on CUDA needs a "
-                         "multiple of 256 (leave it unset for 256, or pass device='cpu')")
+def kvcache_block_size(requested: int | None, attention_kernels: str) -> int:
+    """The KV block size: 256 for flash-attn (its paged KV cache needs pages of a multiple of 256),
+    else 16, which lets the prefix cache share prompts at a finer grain."""
+    flash_attn = attention_kernels == "flash-attn"
+    block_size = requested or (256 if flash_attn else 16)
+    if flash_attn and block_size % 256:
+        raise ValueError(f"kvcache_block_size={block_size}: flash-attn's paged KV cache needs a multiple of 256 "
+                         "(leave it unset for 256, or pass attention_backend='triton')")
     return block_size
 
 
 class ModelRunner:
     def __init__(self, config: Config, hf_config: PretrainedConfig, model_path: str,
-                 tp: TensorParallelGroup | None = None):
+                 tp: TensorParallelGroup | None = None, eos_token_ids: set[int] = frozenset()):
         self.device, self.dtype, self.tp = config.torch_device, config.torch_dtype, tp
-        self.block_size = kvcache_block_size(config.kvcache_block_size, self.device)
+        self.eos_token_ids = eos_token_ids  # held back by min_tokens (only rank 0 samples)
+        self.block_size = kvcache_block_size(config.kvcache_block_size, config.attention_kernels)
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
-        # RotaryEmbedding's angle table names float32 itself, so it stays float32 in here.
-        with torch.device(self.device), default_dtype(self.dtype), skip_weight_init():
-            self.model = CausalLM(hf_config, max_position=config.max_model_len, tp=tp).eval()
-        load_weights(self.model, model_path)
+        self.model = build_model(hf_config, config.max_model_len, tp, self.device, self.dtype)
+        if config.load_format == "dummy":
+            load_dummy_weights(self.model)
+        else:
+            load_weights(self.model, model_path)
         if config.quantization is not None:
             quantize_linears(self.model, config.quantization)
         if self.device.type == "cpu" and not config.learner_mode:
             use_cpu_kernels(self.model, self.dtype)
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        backend = get_backend(self.device, config.learner_mode)
+        backend = get_backend(config.attention_kernels, self.device, config.learner_mode)
         for layer in self.attention_layers:
             layer.backend = backend
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._kvcache_blocks_for_budget(config)
@@ -180,10 +93,12 @@ class ModelRunner:
             blocks = torch.tensor([self.num_kvcache_blocks], device=self.device)
             self.num_kvcache_blocks = int(tp.all_reduce(blocks, torch.distributed.ReduceOp.MIN))
         self._allocate_kvcache(self.num_kvcache_blocks)
-        # Decode replays graphs captured over the cache just allocated; prefill stays eager. Not on
-        # CPU with tensor parallelism: a replay would repeat gloo's collectives without their waits.
+        # Decode replays graphs captured over the cache just allocated; prefill stays eager. On CPU only
+        # over the C++ kernels, whose calls a CPU graph records, and not with tensor parallelism: a
+        # replay would repeat gloo's collectives without their waits.
         self.graph_runner = None
-        if not (config.enforce_eager or config.learner_mode) and (self.device.type == "cuda" or tp is None):
+        cpu_graphs = tp is None and config.attention_kernels == "cpu"
+        if not (config.enforce_eager or config.learner_mode) and (self.device.type == "cuda" or cpu_graphs):
             self.graph_runner = DecodeGraphRunner(
                 self.model, config.max_num_seqs, -(-config.max_model_len // self.block_size), hf_config.hidden_size,
                 self.device, self.dtype, use_graphs=True)
@@ -336,9 +251,13 @@ class ModelRunner:
         if len(rows) > len(seqs):  # a request's first sample: n rows from its one row of logits
             counts = torch.tensor([len(seq.sample_indices) for seq in seqs], device=logits.device)
             logits = logits.repeat_interleave(counts, dim=0)
+        # A row per sample: at a request's first sample, its n rows share the (empty) completion.
+        processors = build_logits_processors(
+            [(seq.sampling_params, seq.token_ids, seq.num_prompt_tokens, seq.output_token_counts)
+             for seq in seqs for _ in seq.sample_indices], self.eos_token_ids, logits.device)
         token_ids = self.sampler(logits, [p.temperature for p, _, _ in rows], [p.top_k for p, _, _ in rows],
                                  [p.top_p for p, _, _ in rows], [p.sample_seed(i) for p, i, _ in rows],
-                                 [n for _, _, n in rows])
+                                 [n for _, _, n in rows], [p.min_p for p, _, _ in rows], processors)
         logprobs = None
         if any(p.logprobs is not None for p, _, _ in rows):
             logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p, _, _ in rows])

@@ -1,20 +1,43 @@
 """OpenAI's API as the server reads it and answers it: the request bodies, their translation into
 ``SamplingParams``, and the shapes of logprobs in a response.
 
-The models are strict: "5" is not an integer, and a field nanoengine does not know is a 400,
-never silently ignored. Some fields clients send on every request with a value that changes
-nothing (``presence_penalty: 0``, a ``user`` id): those are accepted with
-that value, and any other value is a 400 that says what is supported (``no_op``).
+Every field of OpenAI's chat and completions APIs is declared, so none is a surprise: it is
+honoured; or accepted and ignored, because it cannot change the output here (``IGNORED``, the
+table in docs/serving.md; a request that sets one logs it at debug level); or, for
+a value that would change the output and that nanoengine cannot give, refused with a 400 that
+says why (``no_op``: ``modalities: ["audio"]``). vLLM's extensions are declared beside them. The
+models are strict: "5" is not an integer, and a field that neither API knows is a 400.
 
 Errors, whatever raised them, reach the client as OpenAI's error body (``error_body``).
 """
 
 import json
+import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 from nanoengine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Accepted and not used, and why each cannot change the output here.
+IGNORED = {
+    "metadata": "tags for OpenAI's stored completions; nothing is stored",
+    "store": "nothing is stored",
+    "service_tier": "one tier serves every request",
+    "user": "an end-user id for OpenAI's abuse monitoring",
+    "safety_identifier": "an end-user id for OpenAI's abuse monitoring",
+    "prompt_cache_key": "the prefix cache finds shared prompts by their tokens",
+    "prompt_cache_retention": "the prefix cache keeps blocks until they are reused",
+    "prompt_cache_options": "the prefix cache finds shared prompts by their tokens",
+    "parallel_tool_calls": "no tools are called (tools themselves are refused)",
+    "reasoning_effort": "the served model has no reasoning effort to set",
+    "modalities": 'only ["text"] is accepted: text is what is generated',
+    "prediction": "predicted output only saves time; the tokens are the same without it",
+    "response_format": 'only {"type": "text"} is accepted: plain text is what is generated',
+    "name": "a message's author name, which the chat template does not read",
+}
 
 
 class BadRequest(ValueError):
@@ -40,24 +63,53 @@ def no_op(*unchanged: Any, why: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-class OpenAIRequest(BaseModel):
+def _token_ids(bias: dict[str, float] | None) -> dict[str, float] | None:
+    """OpenAI's logit_bias: token ids written as strings, biases in [-100, 100]."""
+    for token, value in (bias or {}).items():
+        if not token.isdigit():
+            raise ValueError(f"keys must be token ids, got {token!r}")
+        if not -100 <= value <= 100:
+            raise ValueError(f"biases must be in [-100, 100], got {value} for token {token}")
+    return bias
+
+
+class Schema(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="after")
+    def log_ignored(self):
+        if ignored := sorted(self.model_fields_set & IGNORED.keys()):
+            logger.debug("%s: ignored %s", type(self).__name__, ", ".join(f"{f} ({IGNORED[f]})" for f in ignored))
+        return self
+
+
+class OpenAIRequest(Schema):
     model: str | None = None  # one model is served; the name is echoed back
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # top_k and ignore_eos extend OpenAI's API, as in vLLM
-    ignore_eos: bool = False
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # an extension, as in vLLM
     n: int = 1
     stream: bool = False
     stream_options: dict[str, bool] | None = None  # {"include_usage": true} adds a usage chunk
-    user: str | None = None  # an end-user id for OpenAI's abuse monitoring: accepted, not used
-    presence_penalty: Annotated[float, no_op(0.0, why="nanoengine has no repetition penalties")] = 0.0
-    frequency_penalty: Annotated[float, no_op(0.0, why="nanoengine has no repetition penalties")] = 0.0
-    logit_bias: Annotated[dict[str, float] | None, no_op(None, {}, why="logits are not biased")] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Annotated[dict[str, float] | None, AfterValidator(_token_ids)] = None
+    user: str | None = None
+    # vLLM's extensions (the openai client sends them through ``extra_body``)
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    @field_validator("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI's API takes null for these, meaning the default, and some clients send it."""
+        return cls.model_fields[info.field_name].default if value is None else value
 
 
 class CompletionRequest(OpenAIRequest):
@@ -65,23 +117,29 @@ class CompletionRequest(OpenAIRequest):
     logprobs: int | None = None  # how many top tokens' logprobs to return beside each sampled one
     echo: Annotated[bool, no_op(False, why="the prompt is not echoed")] = False
     best_of: Annotated[int | None, no_op(None, 1, why="n completions are sampled, not best_of")] = None
+    suffix: Annotated[str | None, no_op(None, why="there is no fill-in-the-middle")] = None
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+class TextPart(Schema):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    role: Literal["system", "user", "assistant"]
+class ChatMessage(Schema):
+    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
     content: str | list[TextPart]
+    name: str | None = None
+    # What an assistant message of an earlier response holds when a client sends it back.
+    refusal: Annotated[str | None, no_op(None, why="a refusal cannot be written into the chat template")] = None
+    tool_calls: Annotated[list | None, no_op(None, [], why="tools are not supported")] = None
+    function_call: Annotated[dict | None, no_op(None, why="functions are not supported")] = None
+    audio: Annotated[dict | None, no_op(None, why="only text is generated")] = None
 
-    @property
-    def text(self) -> str:
-        """The content as one string, for the chat template: text parts joined by newlines, as vLLM does."""
-        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+    def for_template(self) -> dict:
+        """The message as the chat template reads it: content parts joined by newlines, as vLLM
+        does, and developer as system."""
+        text = self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -89,12 +147,38 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: int | None = None  # the newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None  # with logprobs: how many top tokens' logprobs beside each sampled one
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables
+    # Declared before parallel_tool_calls, so that tools, not that, is what a 400 names first.
+    tools: Annotated[list | None, no_op(None, [], why="tools are not supported")] = None
+    tool_choice: Annotated[str | dict | None, no_op(None, "none", "auto", why="tools are not supported")] = None
+    functions: Annotated[list | None, no_op(None, [], why="functions are not supported")] = None
+    function_call: Annotated[str | dict | None, no_op(None, "none", "auto", why="functions are not supported")] = None
+    parallel_tool_calls: bool | None = None
+    response_format: Annotated[dict | None, no_op(None, {"type": "text"},
+                                                  why="structured output is not supported")] = None
+    modalities: Annotated[list[str] | None, no_op(None, ["text"], why="only text is generated")] = None
+    audio: Annotated[dict | None, no_op(None, why="only text is generated")] = None
+    web_search_options: Annotated[dict | None, no_op(None, why="there is no web search")] = None
+    verbosity: Annotated[str | None, no_op(None, "medium", why="the model's verbosity cannot be set")] = None
+    moderation: Annotated[dict | None, no_op(None, why="there is no moderation")] = None
+    reasoning_effort: str | None = None
+    prediction: dict | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
 
 
 def sampling_params(req: OpenAIRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
     return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
                           ignore_eos=req.ignore_eos, max_tokens=max_tokens, n=req.n, logprobs=logprobs,
-                          stop=req.stop, stop_token_ids=req.stop_token_ids)
+                          stop=req.stop, stop_token_ids=req.stop_token_ids, presence_penalty=req.presence_penalty,
+                          frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                          min_p=req.min_p, min_tokens=req.min_tokens,
+                          logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()})
 
 
 def completion_logprobs(tokenizer, logprobs: list[dict[int, float]], offset: int) -> dict:

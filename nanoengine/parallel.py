@@ -1,7 +1,7 @@
 """Tensor parallelism's plumbing: which part of a weight a rank holds, and what travels between ranks.
 
 Megatron-style tensor parallelism splits each large weight over ``size`` processes (ranks), so
-each rank computes a slice of every layer (layers.py says which slice). Two collectives stitch
+each rank computes a slice of every layer (linear.py says which slice). Two collectives stitch
 the slices back together: an all-reduce sums the partial results of a row-parallel layer and of
 the vocab-parallel embedding, and the LM head's vocabulary slices are gathered to rank 0, which
 samples. Once per step, rank 0 (the driver, which alone schedules) broadcasts the step's inputs

@@ -10,7 +10,7 @@ weight it streams (gpt-fast's lesson). Storing weights in 8 or 4 bits cuts those
 The matmul over them is cpu_quantized_linear.cpp (through ``cpu_kernels.quantized_linear``),
 which needs the weight in its own layout: ``pack_int8`` and ``pack_int4`` make it,
 ``dequantize_packed`` reads it back (the fallback where the kernel cannot be built).
-torch's own weight-only CPU ops were measured against it and lost at nearly every size (README).
+torch's own weight-only CPU ops were measured against it and lost at nearly every size (docs/quantization.md).
 """
 
 import torch

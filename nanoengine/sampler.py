@@ -1,23 +1,27 @@
 """Turning the last position's logits into the next token of every sequence in the batch.
 
-Greedy rows (temperature 0) take the argmax. The others are scaled by their temperature, cut
-to their top-k, then to their nucleus (the smallest set of most likely tokens whose probability
-reaches top_p; the most likely token always stays), and sampled by inverting the cumulative
-distribution with one uniform number per row. (Drawing a noise value per vocabulary entry, as
-the exponential-race trick does, costs more than the whole decode matmul budget on a CPU.)
+First each row's logits processors (logit bias, min_tokens, penalties: logits_processors.py).
+Then greedy rows (temperature 0) take the argmax. The others are scaled by their temperature,
+cut to their min-p, their top-k, then their nucleus (the smallest set of most likely tokens
+whose probability reaches top_p; the most likely token always stays), and sampled by inverting
+the cumulative distribution with one uniform number per row. (Drawing a noise value per
+vocabulary entry, as the exponential-race trick does, costs more than the whole decode matmul
+budget on a CPU.)
 A seeded row draws its number from its own generator, keyed by the seed and the token's
 position, so it samples the same tokens whatever else is in the batch, and again after a
 preemption's recompute.
 
-Logprobs, when a sequence asks for them, are the log-softmax of the raw logits (before
-temperature, top-k and top-p, as vLLM returns them), computed only for the rows that ask, so a
-batch where none does pays nothing.
+Logprobs, when a sequence asks for them, are the log-softmax of the raw logits (before the
+logits processors, temperature, min-p, top-k and top-p, as vLLM returns them), computed only for
+the rows that ask, so a batch where none does pays nothing.
 """
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from nanoengine.logits_processors import LogitsProcessors, apply_logits_processors
 
 SAMPLER_CHUNK = 256  # tokens per chunk of the two-level inverse CDF
 
@@ -59,14 +63,17 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, temperatures: list[float], top_ks: list[int],
-                 top_ps: list[float], seeds: list[int | None], positions: list[int]) -> torch.Tensor:
-        logits = logits.float()
+                 top_ps: list[float], seeds: list[int | None], positions: list[int],
+                 min_ps: list[float] | None = None, processors: LogitsProcessors | None = None) -> torch.Tensor:
+        logits = apply_logits_processors(logits, processors)
         if all(t == 0 for t in temperatures):
             return logits.argmax(dim=-1)
         device = logits.device
         temps = torch.tensor(temperatures, device=device)
         greedy = logits.argmax(dim=-1) if any(t == 0 for t in temperatures) else None
         logits = logits / temps.clamp_min(1e-6)[:, None]
+        if min_ps is not None and any(p > 0 for p in min_ps):
+            logits = self._min_p(logits, min_ps)
         if any(k != -1 for k in top_ks) or any(p < 1 for p in top_ps):
             logits = self._top_k_top_p(logits, top_ks, top_ps)
         uniform = torch.rand(len(seeds))
@@ -97,6 +104,14 @@ class Sampler:
         token_cdf = chunks.gather(1, chunk[:, :, None].expand(-1, -1, SAMPLER_CHUNK)).squeeze(1).cumsum(-1)
         token = torch.searchsorted(token_cdf, _below(target - before, token_cdf[:, -1:]), right=True)
         return (chunk * SAMPLER_CHUNK + token).squeeze(1)
+
+    @staticmethod
+    def _min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+        """Set to -inf every token less likely than its row's min_p times the most likely one, as HF's
+        ``MinPLogitsWarper`` does; after temperature, so the cut follows the distribution sampled."""
+        probs = logits.softmax(dim=-1)
+        threshold = torch.tensor(min_ps, device=logits.device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        return logits.masked_fill(probs < threshold, float("-inf"))
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

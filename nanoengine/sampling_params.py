@@ -1,5 +1,6 @@
 """Per-request sampling parameters: what a user controls about how tokens are picked."""
 
+import math
 from dataclasses import dataclass
 
 
@@ -18,8 +19,16 @@ class SamplingParams:
     ``n`` samples share the prompt's computation and KV blocks. ``logprobs=k`` returns, for each
     sampled token, its logprob and the ``k`` most likely tokens' (``0``: the sampled token's
     only); ``prompt_logprobs=k`` the same for every prompt token. Logprobs are those of the
-    model's raw distribution, before temperature, top-k and top-p. Generation stops at a
+    model's raw distribution, before any of the processing below, temperature, top-k and top-p. Generation stops at a
     ``stop`` string (the text is cut before it) or a token of ``stop_token_ids``.
+
+    What a request may change in the logits before sampling, with vLLM's names and bounds
+    (logits_processors.py): ``logit_bias`` adds to a token's logit; ``min_tokens`` holds back EOS
+    and ``stop_token_ids`` until that many tokens were generated; ``presence_penalty`` and
+    ``frequency_penalty`` (OpenAI's) lower the logit of each token the completion already holds, by
+    a constant and per occurrence; ``repetition_penalty`` (HF's) divides a positive logit, or
+    multiplies a negative one, of each token in the prompt or the completion. ``min_p`` drops the
+    tokens less likely than ``min_p`` times the most likely one (after temperature).
     """
 
     temperature: float = 1.0
@@ -33,6 +42,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -58,6 +73,25 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not all(_is_int(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        for field in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, field) <= 2:
+                raise ValueError(f"{field} must be in [-2, 2], got {getattr(self, field)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 means none), got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        self.logit_bias = dict(self.logit_bias or {})
+        if not all(_is_int(t) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b)
+                   for t, b in self.logit_bias.items()):
+            raise ValueError(f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}")
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether a presence, frequency or repetition penalty is on: the sequence then counts its tokens."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     def sample_seed(self, index: int) -> int | None:
         """The seed of sample ``index``'s random stream: the request's own for the first sample, so

@@ -25,9 +25,18 @@ alike.
 """
 
 from collections import deque
+from typing import NamedTuple
 
 from nanoengine.block_manager import BlockManager
 from nanoengine.sequence import Sequence, SequenceStatus
+
+
+class ScheduledStep(NamedTuple):
+    """What one step must do: run ``seqs`` (each ``num_scheduled_tokens`` of its tokens), after
+    making the ``(source, destination)`` block copies of ``blocks_to_copy`` (copy on write: a
+    forked sample about to write into a block it still shares)."""
+    seqs: list[Sequence]
+    blocks_to_copy: list[tuple[int, int]]
 
 
 class Scheduler:
@@ -43,8 +52,6 @@ class Scheduler:
         self.running: deque[Sequence] = deque()  # in order of admission: the tail is the newest
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
-        # (source, destination) block copies the next step must make before its forward: copy on write.
-        self.blocks_to_copy: list[tuple[int, int]] = []
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -52,23 +59,23 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self) -> list[Sequence]:
+    def schedule(self) -> ScheduledStep:
         """Pick the next step's sequences and set each one's ``num_scheduled_tokens``."""
-        self.blocks_to_copy = []
-        budget = self.max_num_batched_tokens
+        budget, blocks_to_copy = self.max_num_batched_tokens, []
         if self.enable_chunked_prefill:
             preemptions = self.num_preemptions
-            scheduled = self._schedule_running(budget)
+            scheduled = self._schedule_running(budget, blocks_to_copy)
             if self.num_preemptions == preemptions:  # else blocks ran out: admitting now would thrash
                 scheduled += self._schedule_waiting(budget - sum(seq.num_scheduled_tokens for seq in scheduled))
         else:
-            scheduled = self._schedule_waiting(budget) or self._schedule_running(budget)
+            scheduled = self._schedule_waiting(budget) or self._schedule_running(budget, blocks_to_copy)
         assert scheduled, "nothing could be scheduled: the KV cache is smaller than one sequence"
-        return scheduled
+        return ScheduledStep(scheduled, blocks_to_copy)
 
-    def _schedule_running(self, budget: int) -> list[Sequence]:
+    def _schedule_running(self, budget: int, blocks_to_copy: list[tuple[int, int]]) -> list[Sequence]:
         """Oldest first, each running sequence's next tokens: its newest token, or the next chunk of a
-        prompt still being computed (whose blocks it already holds)."""
+        prompt still being computed (whose blocks it already holds). A sequence whose last block is
+        shared (forked samples) gets a copy of it, added to ``blocks_to_copy``."""
         scheduled = []
         for seq in list(self.running):
             if budget == 0 or len(scheduled) == self.max_num_seqs:  # forked samples may outnumber a step
@@ -81,7 +88,7 @@ class Scheduler:
                     break
             else:
                 if (copy := self.block_manager.may_append(seq)) is not None:
-                    self.blocks_to_copy.append(copy)
+                    blocks_to_copy.append(copy)
                 seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 budget -= seq.num_scheduled_tokens
                 scheduled.append(seq)

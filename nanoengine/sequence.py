@@ -53,6 +53,10 @@ class Sequence:
         self.logprobs: list[dict[int, float]] | None = [] if asked else None
         self.cumulative_logprob: float | None = 0.0 if asked else None
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        # Only with a penalty: how often each token occurs in the completion, kept up to date as
+        # tokens are appended, so a step reads it without counting the history again. A preempted
+        # sequence keeps its tokens, so it keeps its counts too.
+        self.output_token_counts: dict[int, int] | None = {} if sampling_params.penalizes else None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -118,6 +122,8 @@ class Sequence:
 
     def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
         self.token_ids.append(token_id)
+        if self.output_token_counts is not None:
+            self.output_token_counts[token_id] = self.output_token_counts.get(token_id, 0) + 1
         if self.logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id]
@@ -130,6 +136,7 @@ class Sequence:
         child.seq_id, child.sample_index = next(Sequence._ids), sample_index
         child.token_ids, child.block_table = list(self.token_ids), list(self.block_table)
         child.logprobs = None if self.logprobs is None else []
+        child.output_token_counts = None if self.output_token_counts is None else {}
         if self.detokenizer is not None:
             child.detokenizer = self.detokenizer.fork()
         self.group.append(child)

@@ -34,7 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from nanoengine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, RequestStream
-from nanoengine.limits import MAX_REQUEST_BODY_BYTES, engine_error_response, install_error_handlers
+from nanoengine.limits import MAX_REQUEST_BODY_BYTES, engine_error_response, error_response, install_error_handlers
 from nanoengine.loader import DEFAULT_MODEL_FILE
 from nanoengine.metrics import RequestClock, ServerMetrics
 from nanoengine.openai_protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, OpenAIRequest,
@@ -107,7 +107,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
             if chat and req.stream:
                 content = {"delta": {"content": text} if text else {}}
             else:
-                content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+                message = {"role": "assistant", "content": text, "refusal": None}
+                content = {"message": message} if chat else {"text": text}
             return {"index": index, "logprobs": logprobs_json, "finish_reason": finish_reason, **content}
 
         async def whole() -> dict:
@@ -128,7 +129,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
                 clock.finish(finish_reasons[0] or "abort")  # unfinished: the client left
             choices = [choice(i, "".join(texts[i]), finish_reasons[i], token_logprobs[i], 0) for i in range(req.n)]
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                    "usage": usage()}
+                    "usage": usage(), "system_fingerprint": None}  # as vLLM sends it
 
         if not req.stream:
             return await unless_disconnected(request, whole())
@@ -184,20 +185,28 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         try:
-            prompt_ids = await asyncio.to_thread(engine.chat_prompt, [{"role": m.role, "content": m.text}
-                                                                      for m in req.messages])
-        except ValueError as e:  # the engine speaks of the prompt it makes of them
-            raise BadRequest(str(e), "messages") from None
+            prompt_ids = await asyncio.to_thread(engine.chat_prompt, [m.for_template() for m in req.messages],
+                                                 req.chat_template_kwargs)
+        except ValueError as e:  # about the prompt the engine makes of the messages, or the template's variables
+            field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+            raise BadRequest(str(e), field) from None
         # Unset means "until the context is full", as OpenAI's chat API does.
         max_tokens = next((m for m in (req.max_tokens, req.max_completion_tokens) if m is not None),
                           max(1, max_model_len - len(prompt_ids)))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return await generate(request, req, prompt_ids, max_tokens, chat=True, logprobs=logprobs, clock=clock)
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoengine", "max_model_len": max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "nanoengine", "max_model_len": max_model_len}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")  # a served name may hold slashes ("org/model")
+    async def model(model_id: str):
+        if model_id != model_name:
+            return error_response(f"The model `{model_id}` does not exist.", 404, param="model")
+        return card
 
     @app.get("/health")
     async def health():
@@ -223,7 +232,7 @@ ENGINE_OPTIONS = {
     "--max-num-seqs": dict(type=int),
     "--max-num-batched-tokens": dict(type=int, help="tokens one step may compute"),
     "--num-kvcache-blocks": dict(type=int, help="a fixed number of KV blocks instead of sizing from memory"),
-    "--kvcache-block-size": dict(type=int, help="tokens per KV block (default: 16 on CPU, 256 on CUDA)"),
+    "--kvcache-block-size": dict(type=int, help="tokens per KV block (default: 256 with flash-attn, else 16)"),
     "--gpu-memory-utilization": dict(type=float, help="the fraction of GPU memory to use, KV cache included"),
     "--dtype": dict(choices=["auto", "float32", "float16", "bfloat16"]),
     "--device": dict(choices=["auto", "cpu", "cuda"]),
@@ -234,6 +243,8 @@ ENGINE_OPTIONS = {
     "--enable-chunked-prefill": dict(action=argparse.BooleanOptionalAction, default=True,
                                      help="mix decodes and prompt chunks (default: on)"),
     "--tensor-parallel-size": dict(type=int, help="ranks to split the model over (default: 1)"),
+    "--attention-backend": dict(choices=["auto", "flash-attn", "triton", "torch"],
+                                help="auto: flash-attn on CUDA where installed, else Triton; C++ kernels on CPU"),
 }
 
 

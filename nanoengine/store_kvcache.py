@@ -6,21 +6,16 @@ in the same paged cache as all earlier ones. The scheduler has already chosen wh
 goes: `slot_mapping[i] = block_id * block_size + offset` names the cache row of token i, and -1
 marks a padding row (a batch padded up to a captured CUDA-graph size) that must write nothing.
 
-One contract, two kernels: `store_kvcache_torch` is plain indexing, for the CPU;
-`store_kvcache_triton` is one Triton program per token, for the GPU. Both write the same bytes.
+One contract, three kernels, all writing the same bytes: `store_kvcache_triton`, one Triton
+program per token, for the GPU; `store_kvcache_torch`, plain indexing, for learner mode and the
+pure-torch backend on CPU; and on CPU otherwise a C++ kernel (cpu_kernels.py).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # Triton is optional: a CPU-only install uses the torch path only.
-    triton = None
+from nanoengine.triton_attention import jit, tl, triton
 
 
 def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -64,17 +59,6 @@ def _store_kvcache_kernel(key_ptr, key_stride_t, key_stride_h, key_stride_d,
     tl.store(v_cache_ptr + slot * ROW + offs, value, mask=mask)
 
 
-@functools.cache
-def _jitted_kernel():
-    """Jit on first use rather than at import: `triton.jit` decides at decoration time whether
-    to compile or to interpret (TRITON_INTERPRET), so a CPU test can still choose the
-    interpreter after this module was imported."""
-    if triton is None:
-        raise ImportError("store_kvcache_triton needs triton; install it or use "
-                          "store_kvcache_torch")
-    return triton.jit(_store_kvcache_kernel)
-
-
 def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Same contract as `store_kvcache_torch`, with no host sync: padding rows are skipped
@@ -84,6 +68,6 @@ def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert k_cache.shape[2:] == (num_kv_heads, head_dim)
     row = num_kv_heads * head_dim
-    _jitted_kernel()[(num_tokens,)](
+    jit(_store_kvcache_kernel)[(num_tokens,)](
         key, *key.stride(), value, *value.stride(), k_cache, v_cache, slot_mapping,
         HEAD_DIM=head_dim, ROW=row, BLOCK=triton.next_power_of_2(row))

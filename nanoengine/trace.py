@@ -7,8 +7,14 @@ observed pays nothing. It keeps one small record per step (``records``: the numb
 ``bench.py --timeline`` plots) and, with ``write``, prints each step as a block of aligned text:
 the sequences admitted, preempted and finished, each sequence's block table and slot mapping,
 ``cu_seqlens`` or context lengths, the blocks' reference counts, which blocks carry a prefix hash,
-the free list's head, and the tokens sampled, as text. ``demo`` is the scenario of
-``python example.py --trace`` and docs/walkthrough.md.
+the free list's head, and the tokens sampled, as text; with chunked prefill the step's token
+budget, spent; and the copies on write and the forks of ``n > 1``. ``demo`` plays the scenes of
+``python example.py --trace [--chunked | --fork]`` and docs/walkthrough.md.
+
+When each part is read: the header (why, admitted, preempted, budget, copies) right after
+``schedule``; the table and the block lines as the step's inputs are built, before the forward
+(so "hashed" does not yet hold the full blocks this step writes, except a prompt's, promised at
+admission); "sampled", "forked" and "finished" after ``postprocess``.
 """
 
 from typing import Callable
@@ -16,10 +22,17 @@ from typing import Callable
 from nanoengine.context import Context
 from nanoengine.llm import LLM
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.scheduler import ScheduledStep
 from nanoengine.sequence import Sequence, SequenceStatus
 
-# The demo: a KV cache of 8 blocks of 8 tokens, small enough that the third request is preempted.
+# The scenes' engines: blocks of 8 tokens. "preemption": a cache of 8 blocks, small enough that the
+# third request is preempted; "chunked": a step budget of 24 tokens, so prompts arrive in chunks
+# beside running decodes; "fork": one request with n=2 whose samples share their prompt's blocks.
 DEMO_OPTIONS = dict(dtype="float32", device="cpu", kvcache_block_size=8, num_kvcache_blocks=8)
+SCENE_OPTIONS = {"preemption": DEMO_OPTIONS,
+                 "chunked": {**DEMO_OPTIONS, "num_kvcache_blocks": 24, "enable_chunked_prefill": True,
+                             "max_num_batched_tokens": 24},
+                 "fork": {**DEMO_OPTIONS, "num_kvcache_blocks": 24}}
 DEMO_SYSTEM = "You are a concise assistant. Answer in one sentence."
 DEMO_QUESTIONS = ["What is the capital of France?", "What is the capital of Italy?", "Name a primary color."]
 
@@ -53,12 +66,13 @@ class StepObserver:
             return input_ids, positions, self.ctx
         return prepare_and_keep
 
-    def _observe_schedule(self) -> list[Sequence]:
+    def _observe_schedule(self) -> ScheduledStep:
         scheduler = self.engine.scheduler
         was_running, was_waiting = list(scheduler.running), list(scheduler.waiting)
         preemptions, hits = scheduler.num_preemptions, scheduler.prefix_cache_hit_tokens
         why = self._why(scheduler, was_waiting)
-        seqs = self._schedule()
+        step = self._schedule()
+        seqs = step.seqs
         admitted = [seq for seq in seqs if seq in was_waiting]
         self.records.append({
             "step": len(self.records) + 1,
@@ -72,7 +86,10 @@ class StepObserver:
         if self.write is not None:
             preempted = [seq for seq in was_running if seq.status == SequenceStatus.WAITING]
             self._header(seqs, why, admitted, preempted)
-        return seqs
+            if scheduler.enable_chunked_prefill:
+                self._budget(seqs, scheduler.max_num_batched_tokens)
+            self._copies(seqs, step.blocks_to_copy)
+        return step
 
     def _why(self, scheduler, waiting: list[Sequence]) -> str:
         """The rule that decides this step, read before the scheduler applies it."""
@@ -98,6 +115,25 @@ class StepObserver:
             self.write(f"         preempted #{seq.seq_id}: a running sequence needed a block and none was free; "
                        f"the newest gives its blocks back and waits to be recomputed ({seq.num_tokens} tokens)")
 
+    def _budget(self, seqs: list[Sequence], budget: int) -> None:
+        """Chunked prefill's arithmetic: what each sequence takes of the step's token budget."""
+        parts = []
+        for seq in seqs:
+            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+            parts.append(f"#{seq.seq_id} decodes 1" if seq.is_decode else
+                         f"#{seq.seq_id} prompt {start}..{start + n - 1} ({n} of its {seq.num_tokens})")
+        used = sum(seq.num_scheduled_tokens for seq in seqs)
+        self.write(f"         budget    {' + '.join(parts)} = {used} of {budget} tokens")
+
+    def _copies(self, seqs: list[Sequence], blocks_to_copy: list[tuple[int, int]]) -> None:
+        """Copy on write: a sequence about to write into a block it shares gets a copy of it."""
+        for src, dst in blocks_to_copy:
+            (copier,) = [seq for seq in seqs if seq.block_table and seq.block_table[-1] == dst]
+            keepers = [f"#{seq.seq_id}" for seq in seqs if seq.block_table and seq.block_table[-1] == src]
+            self.write(f"         copy      #{copier.seq_id} writes into block {src}, which it shares: it gets a copy, "
+                       f"block {dst}; {', '.join(keepers) or 'nobody'} keeps block {src} (ref count now "
+                       f"{self.engine.block_manager.blocks[src].ref_count})")
+
     def _observe_postprocess(self, seqs: list[Sequence], token_ids, *args) -> list[Sequence]:
         if self.write is not None:
             self._body(seqs)  # before postprocess: the step's own positions and block tables
@@ -105,6 +141,10 @@ class StepObserver:
         if self.write is not None:
             words = "  ".join(f"#{seq.seq_id} {self.engine.tokenizer.decode(seq.token_ids[-1:])!r}" for seq in stepped)
             self.write(f"  sampled   {words or '(nothing: only prompt chunks ran)'}")
+            for child in stepped[len([seq for seq in seqs if seq in stepped]):]:  # postprocess lists them last
+                refs = " ".join(f"{b}:{self.engine.block_manager.blocks[b].ref_count}" for b in child.block_table)
+                self.write(f"  forked    #{child.seq_id} from #{child.request_id}: shares its blocks by reference "
+                           f"count (id:refs now {refs}), and samples on its own")
             for seq in seqs:
                 if seq.is_finished:
                     self.write(f"  finished  #{seq.seq_id} ({seq.finish_reason}): "
@@ -138,20 +178,30 @@ class StepObserver:
         self.write(f"            free {len(free)}/{len(bm.blocks)}, free list head {head}")
 
 
-def demo(llm: LLM, write: Callable[[str], None] = print, max_tokens: int = 24) -> StepObserver:
-    """Two chat requests that share a system prompt, a third that arrives after the first step, greedy.
+def demo(llm: LLM, write: Callable[[str], None] = print, max_tokens: int = 24,
+         scene: str = "preemption") -> StepObserver:
+    """Play a scene (greedy; the engine made with ``LLM(**SCENE_OPTIONS[scene])``):
 
-    Run on ``LLM(**DEMO_OPTIONS)``; its 8 blocks of 8 tokens force one preemption.
+    - "preemption": two chat requests that share a system prompt, a third arriving after the first
+      step; the 8-block cache forces one preemption.
+    - "chunked": the same three requests under chunked prefill with 24 tokens a step: prompts are
+      computed in chunks, in steps that also decode the running sequences.
+    - "fork": one request with ``n=2`` (sampled, seeded): its two samples share the prompt's blocks,
+      and the shared, partly filled last block is copied on write.
     """
     observer = StepObserver(llm, write)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
     prompts = [llm.chat_prompt([{"role": "system", "content": DEMO_SYSTEM}, {"role": "user", "content": q}])
                for q in DEMO_QUESTIONS]
+    if scene == "fork":
+        # The third question: 30 tokens, so the prompt ends inside a block, which both samples then write.
+        llm.add_request(prompts[2], SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=max_tokens // 3))
+        prompts = []
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
     for prompt in prompts[:2]:
         llm.add_request(prompt, params)
     steps = 0
     while llm.has_unfinished_requests() or steps < 1:
-        if steps == 1:
+        if steps == 1 and prompts:
             llm.add_request(prompts[2], params)
         llm.step()
         steps += 1

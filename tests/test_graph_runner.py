@@ -44,7 +44,7 @@ def decoding_engine(model: str, num_seqs: int, **kwargs):
         prompt = torch.randint(0, engine.vocab_size, (1 + 3 * i,), generator=gen).tolist()
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert len(engine.step()) == num_seqs  # the prefill
-    seqs = engine.scheduler.schedule()
+    seqs = engine.scheduler.schedule().seqs
     assert all(seq.is_decode for seq in seqs) and len(seqs) == num_seqs
     return engine, seqs
 

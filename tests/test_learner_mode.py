@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.layers import Linear
+from nanoengine.linear import Linear
 from nanoengine.store_kvcache import store_kvcache_torch
 from nanoengine.torch_attention import flash_attn_with_kvcache_plain, flash_attn_with_kvcache_torch
 

@@ -198,3 +198,26 @@ def test_a_truncated_checkpoint_raises_naming_the_tensor_cut_short(tiny_models, 
         f.truncate(os.path.getsize(path / CHECKPOINT) - 4)
     with pytest.raises(ValueError, match=r"checkpoint tensor '.+' is cut short"):
         LLM(os.fspath(path), dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.2-1b"])
+def test_dummy_weights_run_a_real_models_shapes_from_its_config_alone(name, tmp_path):
+    """``load_format="dummy"`` needs only config.json (tests/data keeps real models'; cut to 2 layers
+    here to stay fast), and ``skip_tokenizer_init`` runs token-id prompts with no tokenizer."""
+    config = json.loads((Path(__file__).parent / "data" / name / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match="skip_tokenizer_init=True"):
+        LLM(str(tmp_path), load_format="dummy", dtype="float32", device="cpu")
+    llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, dtype="float32", device="cpu",
+              max_model_len=64)
+    weights = torch.cat([p.detach().flatten() for p in llm.model_runner.model.parameters()])
+    assert weights.abs().max() <= 1e-3 and weights.std() > 1e-4  # vLLM's dummy range, really random
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out["token_ids"]) == 3 and out["text"] is None
+    for bad in (lambda: llm.generate(["text"], SamplingParams(), use_tqdm=False),
+                lambda: llm.generate([[1]], SamplingParams(stop=["x"]), use_tqdm=False),
+                lambda: llm.chat([{"role": "user", "content": "hi"}], SamplingParams(), use_tqdm=False)):
+        with pytest.raises(ValueError, match="skip_tokenizer_init=True"):
+            bad()
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(str(tmp_path), load_format="npz", skip_tokenizer_init=True)

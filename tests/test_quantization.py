@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.config import Config
-from nanoengine.layers import Linear
+from nanoengine.linear import Linear
 from nanoengine import cpu_kernels
 from nanoengine.quantization import (FORMATS, GROUP_SIZE, can_quantize, dequantize_int4, dequantize_int8,
                                      dequantize_packed, quantize_int4, quantize_int8, quantize_weight)

@@ -97,7 +97,8 @@ def add(scheduler: Scheduler, prompt: list[int], max_tokens: int = 16, ignore_eo
 
 def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[list[Sequence], bool]:
     """One step; returns its sequences and whether any of them computed prompt tokens."""
-    seqs = scheduler.schedule()
+    seqs, blocks_to_copy = scheduler.schedule()
+    assert not blocks_to_copy  # no forked samples here
     is_prefill = not all(seq.is_decode for seq in seqs)
     scheduler.postprocess(seqs, runner.run(seqs))
     return seqs, is_prefill
@@ -355,7 +356,7 @@ def drive(config: dict, requests: list[Request]) -> Scheduler:
         num_tokens = [s.num_tokens for s in waiting + running]
         head_fits = bool(waiting) and len(running) < max_num_seqs and bm.can_allocate(waiting[0])
 
-        batch = scheduler.schedule()
+        batch = scheduler.schedule().seqs
         assert batch and len(set(batch)) == len(batch)
         assert [s.num_tokens for s in waiting + running] == num_tokens, "preemption keeps generated tokens"
         computed = sum(s.num_scheduled_tokens for s in batch)

@@ -180,9 +180,16 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "logprobs": -1}),
     ("completions", {"prompt": "hi", "stop_token_ids": ["x"]}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),  # no logprobs
-    ("completions", {"prompt": "hi", "presence_penalty": 0.5}),  # unsupported, so not silently ignored
-    ("completions", {"prompt": "hi", "frequency_penalty": -1}),
-    ("completions", {"prompt": "hi", "logit_bias": {"5": 10}}),
+    ("completions", {"prompt": "hi", "presence_penalty": 2.5}),
+    ("completions", {"prompt": "hi", "frequency_penalty": -3}),
+    ("completions", {"prompt": "hi", "repetition_penalty": 0}),
+    ("completions", {"prompt": "hi", "min_p": 2}),
+    ("completions", {"prompt": "hi", "min_tokens": 20, "max_tokens": 4}),
+    ("completions", {"prompt": "hi", "logit_bias": {"five": 10}}),
+    ("completions", {"prompt": "hi", "logit_bias": {"5": 101}}),
+    ("completions", {"prompt": "hi", "logit_bias": {"1000000": 1}}),  # not a token id
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": 0}}),
     ("completions", {"prompt": "hi", "echo": True}),
     ("completions", {"prompt": "hi", "best_of": 2}),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}),
@@ -289,10 +296,10 @@ def test_openai_fields_that_change_nothing_are_accepted(client, model_name, llm)
 
 
 def test_a_field_that_would_change_the_output_is_refused_by_name(server):
-    response = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "presence_penalty": 1.5}, timeout=10)
+    response = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "suffix": "!"}, timeout=10)
     error = response.json()["error"]
-    assert response.status_code == 400 and error["param"] == "presence_penalty"
-    assert error["message"] == "presence_penalty: only 0.0 is supported: nanoengine has no repetition penalties"
+    assert response.status_code == 400 and error["param"] == "suffix"
+    assert error["message"] == "suffix: only null is supported: there is no fill-in-the-middle"
 
 
 def test_chat_content_may_be_a_list_of_text_parts(client, model_name, llm):
@@ -369,11 +376,12 @@ def test_every_engine_flag_is_an_llm_keyword_and_unset_ones_keep_the_defaults_bu
     parser = make_parser()
     assert engine_options(parser.parse_args([])) == {"enable_chunked_prefill": True}  # the server's own default
     args = parser.parse_args(["--max-num-batched-tokens", "4096", "--kvcache-block-size", "32", "--enforce-eager",
-                              "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching", "--device", "cpu"])
+                              "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching", "--device", "cpu",
+                              "--attention-backend", "torch"])
     config = Config.from_kwargs(None, engine_options(args))
     assert (config.max_num_batched_tokens, config.kvcache_block_size, config.enforce_eager,
-            config.gpu_memory_utilization, config.enable_prefix_caching, config.device) == (4096, 32, True, 0.5,
-                                                                                              False, "cpu")
+            config.gpu_memory_utilization, config.enable_prefix_caching, config.device,
+            config.attention_backend) == (4096, 32, True, 0.5, False, "cpu", "torch")
 
 
 def test_request_limits_are_flags_with_the_engines_defaults():

@@ -1,14 +1,14 @@
 """store_kvcache: every kernel writes exactly the bytes the reference writes, and nothing else.
 
 The Triton kernel runs twice: on CPU tensors under Triton's interpreter (everywhere), and compiled
-on a GPU (marked ``cuda``). The interpreted kernel is swapped in per test, rather than through
-TRITON_INTERPRET, so that both can run in one session on a GPU machine.
+on a GPU (marked ``cuda``). TRITON_INTERPRET is set per test, and kernels are made at first use
+for the mode in force (``triton_attention.jit``), so both run in one session on a GPU machine.
 """
 
 import pytest
 import torch
 
-from nanoengine import cpu_kernels, cpu_library, store_kvcache
+from nanoengine import cpu_kernels, cpu_library
 from nanoengine.store_kvcache import store_kvcache_torch, store_kvcache_triton
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_TOKENS = 6, 8, 24  # small: the interpreter is slow
@@ -19,9 +19,7 @@ def triton_device(request, monkeypatch) -> str:
     """Where the Triton store runs: interpreted on the CPU, or compiled on a GPU."""
     pytest.importorskip("triton")
     if request.param == "cpu":
-        from triton.runtime.interpreter import InterpretedFunction
-        monkeypatch.setattr(store_kvcache, "_jitted_kernel",
-                            lambda: InterpretedFunction(store_kvcache._store_kvcache_kernel))
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     return request.param
 
 

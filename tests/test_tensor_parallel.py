@@ -129,6 +129,17 @@ def test_forked_samples_and_prompt_logprobs_match_size_one(engines):
             assert all(abs(e_pos[t] - g_pos[t]) < 1e-3 for t in e_pos)
 
 
+def test_penalized_samples_match_size_one(engines):
+    """Logit bias, penalties and min-p apply on rank 0, to the logits gathered from every rank."""
+    single, tp = engines
+    prompts = shared_prefix_prompts(single.vocab_size)[:3]
+    bias = {t: 10.0 for t in prompts[0][:4]}  # the tiny model picks among these, so the penalties decide
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=bias, repetition_penalty=1.3,
+                            presence_penalty=0.5, frequency_penalty=0.5, min_p=0.1)
+    expected, got = ([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] for llm in (single, tp))
+    assert got == expected
+
+
 def test_fewer_kv_heads_than_ranks_are_replicated(tokenizer, tmp_path):
     """One kv head, two ranks: each rank keeps it (its KV cache holds one head) and the tokens are
     size 1's. Deleting the engine ends its worker."""

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from nanoengine import LLM
-from nanoengine.trace import DEMO_OPTIONS, demo, ranges
+from nanoengine.trace import DEMO_OPTIONS, SCENE_OPTIONS, demo, ranges
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW = re.compile(r"  #(\d+)\s+(\[[\d., ]*\])\s+(\[[\d, ]*\])\s+(\[[\d., ]*\])\s")
@@ -29,35 +29,80 @@ def test_ranges_folds_runs_of_consecutive_slots():
     assert expand(ranges([5, 6, 7, 9, 40, 41, 42, 43])) == [5, 6, 7, 9, 40, 41, 42, 43]
 
 
-def test_trace_prints_the_block_tables_slots_and_ref_counts_the_block_manager_holds(tiny_models):
-    llm = LLM(tiny_models["llama"], **DEMO_OPTIONS)
+def play(model: str, scene: str, max_tokens: int = 12):
+    """Play ``scene``, recording at each step what the block manager holds as the step runs (block
+    tables, slots by the one formula, ref counts, the copies to make); returns (llm, observer, printed
+    steps, truth per step)."""
+    llm = LLM(model, **SCENE_OPTIONS[scene])
     bm, run, truth = llm.block_manager, llm.model_runner.run, []
 
     def run_and_record(seqs, blocks_to_copy=()):
-        """What the block manager holds as the step runs, and the slots by the one formula."""
         bs = bm.block_size
         tables = {seq.seq_id: (seq.block_table[:], [seq.block_table[p // bs] * bs + p % bs for p in range(
             seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens)]) for seq in seqs}
-        truth.append((tables, {b.block_id: b.ref_count for b in bm.blocks if b.ref_count}))
+        scheduled = {seq.seq_id: seq.num_scheduled_tokens for seq in seqs}
+        truth.append((tables, {b.block_id: b.ref_count for b in bm.blocks if b.ref_count}, list(blocks_to_copy),
+                      scheduled))
         return run(seqs, blocks_to_copy)
 
     llm.model_runner.run = run_and_record
     lines: list[str] = []
-    observer = demo(llm, lines.append, max_tokens=12)
-    steps = "\n".join(lines).split("\nstep ")
+    observer = demo(llm, lines.append, max_tokens=max_tokens, scene=scene)
+    return llm, observer, "\n".join(lines).split("\nstep "), truth
+
+
+@pytest.mark.parametrize("scene", ["preemption", "chunked", "fork"])
+def test_trace_prints_the_block_tables_slots_and_ref_counts_the_block_manager_holds(tiny_models, scene):
+    llm, observer, steps, truth = play(tiny_models["llama"], scene)
     assert len(steps) == len(truth) == len(observer.records)
-    for text, (tables, refs) in zip(steps, truth):
+    for text, (tables, refs, _, _) in zip(steps, truth):
         printed = {int(m[1]): (expand(m[3]), expand(m[4])) for m in ROW.finditer(text)}
         assert printed == tables
         (in_use,) = REFS.findall(text)
         assert dict(map(int, pair.split(":")) for pair in in_use.split()) == refs
-    text = "\n".join(lines)
+    assert llm.stats()["kvcache_blocks_in_use"] == 0
+
+
+def test_preemption_scene_preempts_the_newest_and_hits_the_prefix_cache(tiny_models):
+    llm, observer, steps, _ = play(tiny_models["llama"], "preemption")
+    text = "\nstep ".join(steps)
     first, second, third = re.findall(r"admitted  #(\d+)", text)[:3]  # ids count on across engines
     assert f"preempted #{third}" in text and "prefix hit, blocks [0, 1, 2]" in text
     stats = llm.stats()
     assert sum(r["preemptions"] for r in observer.records) == stats["num_preemptions"] >= 1
     assert sum(r["prefix_hit_tokens"] for r in observer.records) == stats["prefix_cache_hit_tokens"] > 0
-    assert stats["kvcache_blocks_in_use"] == 0
+
+
+BUDGET = re.compile(r"budget    (.*) = (\d+) of (\d+) tokens")
+
+
+def test_chunked_scene_prints_each_steps_budget_as_the_scheduler_spent_it(tiny_models):
+    """Every step's budget line adds up what each sequence computed; some step mixes decodes with a
+    prompt chunk, and some prompt is computed over two steps."""
+    _, _, steps, truth = play(tiny_models["llama"], "chunked")
+    mixed = chunked = False
+    for text, (_, _, _, scheduled) in zip(steps, truth):
+        parts, used, budget = BUDGET.search(text).groups()
+        spent = {int(m[1]): int(m[2] or 1) for m in re.finditer(r"#(\d+) (?:decodes 1|prompt \S+ \((\d+) of)", parts)}
+        assert spent == scheduled and int(used) == sum(scheduled.values()) <= int(budget) == 24
+        mixed |= "decodes 1" in parts and "prompt" in parts
+        chunked |= bool(re.search(r"prompt (\d+)\.\.\d+ \(\d+ of its \d+\)", parts)) and "prompt 0.." not in parts
+    assert mixed and chunked
+
+
+def test_fork_scene_shows_shared_blocks_and_the_copy_on_write(tiny_models):
+    """n=2: after the fork every prompt block has ref count 2; at the next step the first sample copies
+    the shared, partly filled last block and the second keeps the original."""
+    _, _, steps, truth = play(tiny_models["llama"], "fork")
+    text = "\nstep ".join(steps)
+    parent, child = map(int, re.search(r"forked    #(\d+) from #(\d+)", text).groups()[::-1])
+    assert re.search(r"id:refs now (\d+:2 ?)+\)", text)
+    (copies,) = [c for _, _, c, _ in truth if c]
+    ((src, dst),) = copies
+    assert f"copy      #{parent} writes into block {src}, which it shares: it gets a copy, block {dst}; " \
+           f"#{child} keeps block {src} (ref count now 1)" in text
+    tables = next(t for t, _, c, _ in truth if c)
+    assert tables[parent][0][-1] == dst and tables[child][0][-1] == src
 
 
 def test_demo_readmits_a_preempted_sequence_with_its_own_blocks_from_the_prefix_cache(tiny_models):

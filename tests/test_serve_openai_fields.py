@@ -1,0 +1,216 @@
+"""The request policy, through the official openai client against the real server: every field of
+OpenAI's chat and completions APIs is declared, and sent once it is honoured (the penalties give
+the tokens the offline engine gives), accepted and ignored as docs/serving.md's table says, or refused
+with a 400 that says why. Also vLLM's extensions, ``GET /v1/models/{id}`` and the response shapes.
+"""
+
+import logging
+import os
+import re
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from pydantic import ValidationError  # noqa: E402
+
+from nanoengine import LLM, SamplingParams  # noqa: E402
+from nanoengine.openai_protocol import IGNORED, ChatCompletionRequest, ChatMessage, CompletionRequest  # noqa: E402
+from tests.test_serve import (REPO_ROOT, chat_prompt_ids, client, in_process_server, llm, model_name,  # noqa: E402,F401
+                              offline, server)
+
+MESSAGES = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour.",
+                                                                     "name": "ann"}]
+AS_SYSTEM = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."}]
+# The tiny random model seldom repeats itself: biased towards a few tokens, it chooses among them,
+# so the penalties decide every step.
+BIAS = {t: 10.0 for t in (300, 301, 302, 17, 40)}
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.7, logit_bias={str(t): b for t, b in BIAS.items()})
+VLLM_EXTRAS = dict(top_k=40, min_p=0.05, repetition_penalty=1.2, min_tokens=3, ignore_eos=True, stop_token_ids=[7])
+# Every field the policy accepts and ignores, each with a value that is accepted.
+IGNORED_VALUES = dict(metadata={"team": "a"}, store=False, service_tier="auto", user="u1", safety_identifier="s1",
+                      prompt_cache_key="k", prompt_cache_retention="24h", prompt_cache_options={"mode": "implicit"},
+                      parallel_tool_calls=True, reasoning_effort="low", modalities=["text"],
+                      prediction={"type": "content", "content": "Blue"}, response_format={"type": "text"})
+
+
+def offline_params(**fields) -> dict:
+    fields = dict(fields)
+    if "logit_bias" in fields:
+        fields["logit_bias"] = {int(t): b for t, b in fields["logit_bias"].items()}
+    return fields
+
+
+def sdk_fields(typed_dict) -> set[str]:
+    return {name for klass in typed_dict.__mro__ for name in getattr(klass, "__annotations__", {})}
+
+
+def test_every_field_of_openais_chat_and_completions_apis_is_declared():
+    from openai.types import completion_create_params
+    from openai.types.chat import (ChatCompletionAssistantMessageParam, ChatCompletionDeveloperMessageParam,
+                                   ChatCompletionSystemMessageParam, ChatCompletionUserMessageParam,
+                                   completion_create_params as chat_create_params)
+    assert sdk_fields(chat_create_params.CompletionCreateParamsBase) <= ChatCompletionRequest.model_fields.keys()
+    assert sdk_fields(completion_create_params.CompletionCreateParamsBase) <= CompletionRequest.model_fields.keys()
+    messages = (ChatCompletionSystemMessageParam, ChatCompletionDeveloperMessageParam, ChatCompletionUserMessageParam,
+                ChatCompletionAssistantMessageParam)
+    assert set().union(*map(sdk_fields, messages)) <= ChatMessage.model_fields.keys()
+
+
+def test_chat_with_every_honoured_and_ignored_field_equals_offline(client, model_name, llm):
+    sampled = dict(temperature=0.3, top_p=0.95, seed=3, n=2, stop=["\n\n"])
+    response = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_completion_tokens=10, logprobs=True, top_logprobs=2,
+        stream_options=None, tools=[], tool_choice="none", **PENALTIES, **sampled, **IGNORED_VALUES,
+        extra_body=dict(VLLM_EXTRAS, chat_template_kwargs={"enable_thinking": False}))
+    expected = offline(llm, [chat_prompt_ids(llm, AS_SYSTEM)], max_tokens=10, logprobs=2,
+                       **offline_params(**PENALTIES, **sampled, **VLLM_EXTRAS))[0]["outputs"]
+    assert [c.message.content for c in response.choices] == [o["text"] for o in expected]
+    assert [len(c.logprobs.content) for c in response.choices] == [len(o["token_ids"]) for o in expected]
+
+
+def test_completion_with_every_field_equals_offline(client, model_name, llm):
+    prompt = [5, 17, 17, 40, 5, 99, 300, 17]
+    fields = dict(max_tokens=10, temperature=0, top_p=1.0, seed=1, n=1, stop=None, logprobs=1, **PENALTIES)
+    response = client.completions.create(model=model_name, prompt=prompt, echo=False, best_of=1, suffix=None,
+                                         user="u1", stream=False, extra_body=dict(repetition_penalty=1.3, min_tokens=2),
+                                         **fields)
+    params = offline_params(**fields, repetition_penalty=1.3, min_tokens=2)
+    expected = offline(llm, [prompt], **params)[0]
+    biased_only = offline(llm, [prompt], max_tokens=10, temperature=0, logit_bias=BIAS)[0]
+    assert response.choices[0].text == expected["text"] != biased_only["text"]  # the penalties were applied
+    streamed = client.completions.create(model=model_name, prompt=prompt, stream=True, stream_options={
+        "include_usage": True}, extra_body=dict(repetition_penalty=1.3, min_tokens=2), **fields)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected["text"]
+
+
+@pytest.mark.parametrize("path, field, value, reason", [
+    ("chat/completions", "modalities", ["text", "audio"], "only text is generated"),
+    ("chat/completions", "audio", {"voice": "alloy", "format": "wav"}, "only text is generated"),
+    ("chat/completions", "response_format", {"type": "json_object"}, "structured output is not supported"),
+    ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], "tools are not supported"),
+    ("chat/completions", "tool_choice", "required", "tools are not supported"),
+    ("chat/completions", "functions", [{"name": "f"}], "functions are not supported"),
+    ("chat/completions", "web_search_options", {}, "there is no web search"),
+    ("chat/completions", "verbosity", "high", "verbosity cannot be set"),
+    ("completions", "suffix", "!", "no fill-in-the-middle"),
+    ("completions", "echo", True, "the prompt is not echoed"),
+    ("completions", "best_of", 3, "not best_of"),
+])
+def test_a_value_nanoengine_cannot_honour_is_refused_saying_why(client, model_name, path, field, value, reason):
+    create = client.chat.completions.create if path.startswith("chat") else client.completions.create
+    body = {"messages": MESSAGES} if path.startswith("chat") else {"prompt": "hi"}
+    with pytest.raises(openai.BadRequestError) as info:
+        create(model=model_name, max_tokens=2, extra_body={field: value}, **body)
+    error = info.value.body
+    assert error["param"] == field and reason in error["message"]
+
+
+def test_null_means_the_default(server, llm):
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "stop",
+                           "logit_bias", "logprobs", "user"])
+    body = {"prompt": "Tell me about the sea", "max_tokens": 6, "seed": 3, **nulls}
+    response = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    expected = offline(llm, ["Tell me about the sea"], max_tokens=6, seed=3)[0]["text"]
+    assert response.json()["choices"][0]["text"] == expected
+
+
+def test_tools_not_parallel_tool_calls_are_what_a_tool_call_is_refused_for():
+    body = {"messages": MESSAGES, "parallel_tool_calls": False, "tools": [{"type": "function"}]}
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(body)
+    assert [e["loc"] for e in info.value.errors()] == [("tools",)]
+
+
+def test_the_schema_names_every_bad_field_at_once(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": "high",
+            "modalities": ["audio"], "top_k": "ten"}
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(body)
+    assert {e["loc"][0] for e in info.value.errors()} == {"presence_penalty", "modalities", "top_k"}
+    # The HTTP 400's message is formatted by serve.py's handler; it names the first bad field at least.
+    response = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=10)
+    assert response.status_code == 400 and "presence_penalty" in response.json()["error"]["message"]
+
+
+def test_an_assistant_message_returned_by_the_sdk_can_be_sent_back(client, model_name):
+    messages = [{"role": "user", "content": "Hi."}]
+    first = client.chat.completions.create(model=model_name, messages=messages, max_tokens=4, temperature=0)
+    assert first.choices[0].message.refusal is None
+    messages.append(first.choices[0].message)  # the SDK sends what it parsed, refusal: null included
+    messages.append({"role": "user", "content": "And then?"})
+    second = client.chat.completions.create(model=model_name, messages=messages, max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_responses_carry_system_fingerprint_and_refusal_as_null(server):
+    chat = httpx.post(f"{server}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}, timeout=30).json()
+    assert chat["system_fingerprint"] is None and chat["choices"][0]["message"]["refusal"] is None
+    completion = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).json()
+    assert "system_fingerprint" in completion and completion["system_fingerprint"] is None
+
+
+def test_models_retrieve_and_an_unknown_model_is_a_404_in_openais_shape(server, client, model_name):
+    assert client.models.retrieve(model_name).id == model_name
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    assert info.value.status_code == 404 and info.value.body["param"] == "model"
+    assert "no-such-model" in info.value.body["message"]
+
+
+def test_ignored_fields_are_logged_at_debug_level(caplog):
+    with caplog.at_level(logging.DEBUG, logger="nanoengine.openai_protocol"):
+        ChatCompletionRequest.model_validate({"messages": MESSAGES, "store": True, "metadata": {"a": "b"}})
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "store (nothing is stored)" in logged and "metadata" in logged and "name (" in logged
+
+
+def test_the_serving_docs_table_lists_exactly_the_ignored_fields():
+    with open(os.path.join(REPO_ROOT, "docs", "serving.md")) as f:
+        readme = f.read()
+    rows = readme[readme.index("| ignored field |"):].split("\n\n")[0].splitlines()[2:]
+    assert {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])} == IGNORED.keys()
+
+
+# -- chat_template_kwargs reach the template: a Qwen3-like template on the tiny model -------------
+
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+                     "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tiny_models, tmp_path_factory) -> str:
+    import shutil
+
+    from nanoengine.loader import load_tokenizer
+    path = str(tmp_path_factory.mktemp("thinking") / "llama")
+    shutil.copytree(tiny_models["llama"], path)
+    tokenizer = load_tokenizer(path)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_chat_template_kwargs_reach_the_chat_template(thinking_model):
+    messages = [{"role": "user", "content": "Hi."}]
+    llm = LLM(thinking_model, dtype="float32", device="cpu")
+    plain = llm.chat_prompt(messages)
+    no_thinking = llm.chat_prompt(messages, {"enable_thinking": False})
+    assert llm.tokenizer.decode(no_thinking).endswith("<think>\n\n</think>\n\n") and no_thinking[:len(plain)] == plain
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    assert llm.chat(messages, greedy, use_tqdm=False, chat_template_kwargs={"enable_thinking": False}) == \
+        llm.generate([no_thinking], greedy, use_tqdm=False)
+    with in_process_server(thinking_model) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
+        response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert response.usage.prompt_tokens == len(no_thinking)
+        assert response.choices[0].message.content == llm.generate([no_thinking], greedy, use_tqdm=False)[0]["text"]
+        with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                           extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})

@@ -9,9 +9,11 @@ Continuous batching does the rest: a request added mid-flight joins the next ste
 
 Failure stays as small as it can. A step that raises has already aborted the requests it ran
 (the engine's contract), so exactly those streams get an ``EngineError`` and the rest go on. Work
-that raises reports to its caller and leaves the thread running. If the thread stops anyway,
-``error`` says why, every stream and every pending call gets an ``EngineDeadError``, and later
-calls get one at once instead of waiting for a thread that will never answer.
+that raises reports to its caller and leaves the thread running. Death is one notion: if the
+thread stops (a bug in its loop), or a failed step left the engine unable to serve anything (its
+tensor-parallel group failed: a worker died, or hung past the collectives' bound), ``error`` says
+why, every stream and every pending call gets an ``EngineDeadError``, and later calls get one at
+once instead of waiting for a thread that will never answer.
 """
 
 import asyncio
@@ -45,6 +47,7 @@ class RequestOutput:
     text: str  # the text they made final; a stop string and what follows it never appear
     logprobs: list[dict[int, float]] | None  # per token, {token_id: logprob}, if the request asked
     finish_reason: str | None  # None while the sample runs; "stop" (EOS, stop string or id) or "length"
+    step: int  # the engine step that made it: a request's outputs of one step are one inter-token gap
 
 
 class RequestStream:
@@ -99,6 +102,7 @@ class AsyncLLMEngine:
         """
         self._inbox: queue.SimpleQueue[tuple[Callable, Future] | None] = queue.SimpleQueue()
         self._streams: dict[int, RequestStream] = {}  # engine thread only
+        self._num_steps = 0  # engine thread only
         self.error: str | None = None  # why the engine thread stopped; None while it runs
         # Held to queue work and to mark the thread stopped, so no work slips in after the last drain.
         self._lock = threading.Lock()
@@ -176,8 +180,7 @@ class AsyncLLMEngine:
             return
         built.set_result(None)
         try:
-            self._serve()
-            reason = "the engine was shut down"
+            reason = self._serve()
         except BaseException as e:  # a bug in the loop itself: say so rather than hang every caller
             logger.exception("the engine thread died")
             reason = f"the engine thread died: {e!r}"
@@ -190,7 +193,8 @@ class AsyncLLMEngine:
         for stream in streams:
             self._deliver(stream, EngineDeadError(reason))
 
-    def _serve(self) -> None:
+    def _serve(self) -> str:
+        """Serve until shut down, or until the engine can serve nothing more; returns why it stopped."""
         while True:
             # Block only when idle: with requests in flight, take what has arrived and step.
             work = [self._inbox.get()] if not self.engine.has_unfinished_requests() else []
@@ -198,7 +202,7 @@ class AsyncLLMEngine:
                 work.append(self._inbox.get())
             for item in work:
                 if item is None:
-                    return
+                    return "the engine was shut down"
                 fn, future = item
                 if future.set_running_or_notify_cancel():  # False: the awaiting caller was cancelled
                     try:
@@ -215,11 +219,15 @@ class AsyncLLMEngine:
                 for request_id in [i for i in self._streams if i not in self.engine.requests]:
                     error = EngineError(f"the step running this request failed: {e!r}")
                     self._deliver(self._streams.pop(request_id), error)
+                if self.engine.failure is not None:
+                    return f"the engine cannot serve: {self.engine.failure}"
                 continue
+            self._num_steps += 1
             for seq in seqs:
                 if (stream := self._streams.get(seq.request_id)) is not None:
                     logprobs = None if seq.logprobs is None else seq.logprobs[-1:]
                     self._deliver(stream, RequestOutput(seq.sample_index, [seq.token_ids[-1]],
-                                                        seq.detokenizer.last_delta, logprobs, seq.finish_reason))
+                                                        seq.detokenizer.last_delta, logprobs, seq.finish_reason,
+                                                        self._num_steps))
             for request_id in {seq.request_id for seq in seqs if all(s.is_finished for s in seq.group)}:
                 self._streams.pop(request_id, None)

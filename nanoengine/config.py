@@ -79,6 +79,12 @@ class Config:
     # Pure torch everywhere, for reading and stepping through in a debugger: no C++ kernels, no CUDA
     # graphs, attention by torch_attention.py's plain functions. Same tokens, slower.
     learner_mode: bool = False
+    # What one request may ask for (engine.py checks them before anything is queued): logprobs per
+    # token (vLLM's max_logprobs and default), and stop strings, each searched for in every sample's
+    # new text at every token (100,000 of them slowed every other stream 7.5x).
+    max_logprobs: int = 20
+    max_stop_strings: int = 32
+    max_stop_string_length: int = 256
     # Set by resolve_limits: whether max_model_len was left to default (it may then shrink to fit the cache).
     max_model_len_is_default: bool = field(default=False, init=False, repr=False)
 
@@ -99,6 +105,10 @@ class Config:
                      "skip_tokenizer_init"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("max_logprobs", "max_stop_strings", "max_stop_string_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -118,6 +128,9 @@ class Config:
         if self.quantization is not None and self.torch_device.type == "cuda":
             raise ValueError(f"quantization={self.quantization!r} runs on CPU only (its matmul is a C++ CPU "
                              "kernel); pass device='cpu' or leave quantization unset")
+        if self.quantization is not None and self.dtype == "float16":
+            raise ValueError(f"quantization={self.quantization!r} needs dtype 'bfloat16', 'float32' or 'auto' "
+                             "(its kernel takes bfloat16 or float32 activations), got dtype='float16'")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         self._check_attention_backend()

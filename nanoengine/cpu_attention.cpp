@@ -27,6 +27,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -337,7 +338,12 @@ static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
 // log-sum-exp of split s's scores, out = sum_s exp(lse_s - L) * out_s, where L = log sum_s exp(lse_s).
 // Splits make twice as many tasks as threads: with 3 kv heads on 2 threads, one thread had two
 // heads to the other's one (batch 1, 30 layers: 1,024 tokens 6.5-6.6 -> 5.4-5.8 ms; 192 tokens
-// 1.19-1.20 -> 1.11-1.17 ms).
+// 1.19-1.20 -> 1.11-1.17 ms). Not in bfloat16: a split rounds differently from the whole (its merge,
+// and its probabilities in float32), so a sequence's output would depend on how many sequences
+// share its step, and in bfloat16 that difference flips a seeded sample (at token 3 of 40, alone
+// against beside one other request); a task per kv head computes exactly what the whole does. It
+// is faster too, since splits take the generic code: batch 1, 30 layers, 2 threads with
+// AVX512-BF16, 192 tokens 0.73-0.81 -> 0.59-0.63 ms, 1,024 tokens 1.98-2.12 -> 1.42-1.51 ms.
 template <typename T>
 static int decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
                   const int32_t* seqlens, T* out, int batch, int max_blocks, int num_blocks, int block_size,
@@ -346,7 +352,8 @@ static int decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
   for (int i = 0; i < batch; i++)
     if (seqlens[i] < 0 || seqlens[i] > int64_t(max_blocks) * block_size) return BAD_SEQLEN;
   const int parts = batch < num_threads ? num_kv_heads : 1;
-  const int splits = batch < num_threads ? (2 * num_threads + batch * parts - 1) / (batch * parts) : 1;
+  const int splits = batch < num_threads && !std::is_same_v<T, uint16_t>
+                         ? (2 * num_threads + batch * parts - 1) / (batch * parts) : 1;
   const int heads = num_heads / parts, kv_heads = num_kv_heads / parts;
   // Each split's output and log-sum-exp, [batch][split][head]. A split with no keys keeps output 0
   // and the lowest float as its lse (not -inf: fast-math assumes no infinities), which weighs it 0

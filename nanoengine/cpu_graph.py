@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanoengine import cpu_library
-from nanoengine.cpu_library import Kernel, KernelCall
+from nanoengine.cpu_library import KernelCall
 
 aten = torch.ops.aten
 # They return a new tensor whose contents are undefined: nothing to repeat.
@@ -150,13 +150,9 @@ class CPUGraph:
 
     @contextlib.contextmanager
     def capture(self):
-        """Run the block, recording it. Not thread-safe: nothing else may call a kernel meanwhile."""
-        Kernel.recording = self.calls
-        try:
-            with _Recorder(self):
-                yield
-        finally:
-            Kernel.recording = None
+        """Run the block, recording what this thread computes in it (other threads' work is theirs)."""
+        with cpu_library.recording(self.calls), _Recorder(self):
+            yield
         for is_kernel, run in itertools.groupby(self.calls, key=lambda call: isinstance(call, KernelCall)):
             self.program += [_KernelRun(list(run))] if is_kernel else list(run)
 

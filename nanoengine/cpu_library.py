@@ -16,7 +16,9 @@ itself refuses an argument of the wrong kind rather than passing C++ whatever bi
 kernels that take index arguments check them and return an error code, an int. Each is then
 wrapped in a ``Kernel``, which a CPU graph (cpu_graph.py) records calls through, each as a
 ``KernelCall``: the arguments ready for ctypes, and the same as the 64-bit words that the
-kernel's C++ twin takes (cpu_graph.h), for a replay that makes its calls from C++.
+kernel's C++ twin takes (cpu_graph.h), for a replay that makes its calls from C++. What is being
+recorded is the calling thread's (``recording``): the libraries are shared by every engine in the
+process, and two engines on two threads, one capturing, must not record each other's calls.
 """
 
 import ctypes
@@ -25,7 +27,9 @@ import os
 import platform
 import struct
 import subprocess
+import threading
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import xxhash
@@ -55,19 +59,30 @@ SIGNATURES = {  # each file's extern "C" functions and their argument types
 }
 
 
+# Per thread, as torch's dispatch modes are: the list of calls the thread's CPU graph is capturing.
+_capture = threading.local()
+
+
+@contextmanager
+def recording(calls: list):
+    """Append each kernel call this thread makes in the block to ``calls`` (a ``KernelCall``)."""
+    _capture.calls = calls
+    try:
+        yield
+    finally:
+        _capture.calls = None
+
+
 class Kernel:
     """A C++ entry point, called like the ctypes function it wraps; ``twin`` is the address of its
-    ``_words`` twin. While a CPU graph captures (cpu_graph.py), ``recording`` is its list of calls,
-    and each call is appended to it as well."""
-
-    recording: list | None = None
+    ``_words`` twin. Inside ``recording``, each call on that thread is also appended to its list."""
 
     def __init__(self, function: ctypes._CFuncPtr, twin: int):
         self.function, self.twin = function, twin
 
     def __call__(self, *args):
-        if Kernel.recording is not None:
-            Kernel.recording.append(KernelCall(self, args))
+        if (calls := getattr(_capture, "calls", None)) is not None:
+            calls.append(KernelCall(self, args))
         return self.function(*args)
 
 

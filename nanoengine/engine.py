@@ -74,6 +74,12 @@ class LLMEngine:
                 self.workers.shutdown()
             raise
         config.fit_to_kvcache(self.model_runner.num_kvcache_blocks, self.model_runner.block_size)
+        # No token covers more characters than the vocabulary's longest (a byte-level token's string
+        # has a character per byte), so a text longer than this has more than max_model_len tokens:
+        # refused before the tokenizer spends seconds on it (24 MB took 20 s, and memory kept).
+        # Without a tokenizer (skip_tokenizer_init) prompts are token ids, and there is no bound to keep.
+        self.max_prompt_chars = (config.max_model_len * max(map(len, self.tokenizer.get_vocab()))
+                                 if self.tokenizer is not None else None)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.model_runner.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -89,6 +95,7 @@ class LLMEngine:
         if isinstance(prompt, str) and self.tokenizer is None:
             raise ValueError("prompts must be lists of token ids: the engine has no tokenizer (skip_tokenizer_init=True)")
         if isinstance(prompt, str):
+            self.check_prompt_text(prompt)
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)
@@ -105,6 +112,18 @@ class LLMEngine:
                              f"{self.config.max_model_len}")
         return token_ids
 
+    def check_prompt_text(self, *texts: str) -> None:
+        """A ``ValueError`` for prompt text the tokenizer must not see: more characters than
+        ``max_model_len`` tokens can hold, or a lone surrogate (which no UTF-8 encodes)."""
+        if (num_chars := sum(map(len, texts))) > self.max_prompt_chars:
+            raise ValueError(f"prompt has {num_chars} characters, more than max_model_len={self.config.max_model_len} "
+                             f"tokens could hold ({self.max_prompt_chars} characters)")
+        for text in texts:
+            try:
+                text.encode()
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt is not valid Unicode text: a lone surrogate at character {e.start}") from None
+
     def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
         """A conversation's prompt token ids: the tokenizer's chat template with the generation prompt.
 
@@ -120,6 +139,7 @@ class LLMEngine:
         if taken := sorted(variables.keys() & inspect.signature(self.tokenizer.apply_chat_template).parameters.keys()):
             raise ValueError(f"chat_template_kwargs may set only the template's variables, not {taken} "
                              "(arguments of apply_chat_template itself)")
+        self.check_prompt_text(*(str(m.get("content", "")) for m in conversation))  # the template adds more
         try:
             token_ids = self.tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True,
                                                            return_dict=False, **variables)
@@ -140,6 +160,18 @@ class LLMEngine:
             if bad := [t for t in getattr(sampling_params, field) if not 0 <= t < self.vocab_size]:
                 raise ValueError(f"{field} names token ids {bad[:5]} outside the model's vocabulary "
                                  f"[0, {self.vocab_size})")
+        config = self.config
+        for field in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(sampling_params, field)) is not None and value > config.max_logprobs:
+                raise ValueError(f"{field}={value} is more than max_logprobs={config.max_logprobs}")
+            if value is not None and value > self.vocab_size:  # whatever max_logprobs allows: topk would fail the step
+                raise ValueError(f"{field}={value} is more than the vocabulary's {self.vocab_size} tokens")
+        stop = sampling_params.stop
+        if len(stop) > config.max_stop_strings:
+            raise ValueError(f"stop has {len(stop)} strings, more than max_stop_strings={config.max_stop_strings}")
+        if (longest := max(map(len, stop), default=0)) > config.max_stop_string_length:
+            raise ValueError(f"stop has a string of {longest} characters, more than "
+                             f"max_stop_string_length={config.max_stop_string_length}")
         if sampling_params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs needs the tokenizer: the engine has none (skip_tokenizer_init=True)")
@@ -197,6 +229,11 @@ class LLMEngine:
             if all(sample.is_finished for sample in seq.group):
                 self.requests.pop(seq.request_id, None)
         return stepped
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can serve nothing any more (its tensor-parallel group failed), or None."""
+        return self.workers.group.failure if self.workers is not None else None
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()

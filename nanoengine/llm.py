@@ -82,6 +82,9 @@ class LLM(LLMEngine):
             raise ValueError(f"max_tokens={params.max_tokens} after a prompt of {longest} tokens exceeds "
                              f"max_model_len={self.config.max_model_len}")
         searches = [BeamSearch(params, self.scheduler.eos_token_ids) for _ in prompts]
+        if (num_candidates := searches[0].num_candidates) > self.config.max_logprobs:  # each step's logprobs
+            raise ValueError(f"beam_width={params.beam_width} needs the logprobs of {num_candidates} candidates a "
+                             f"step, more than max_logprobs={self.config.max_logprobs}")
         while live := [(search, prompt) for search, prompt in zip(searches, token_ids) if not search.done]:
             # Each live beam asks for one token and the logprobs of its best candidates.
             step = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=live[0][0].num_candidates)

@@ -5,7 +5,9 @@ queue lengths, KV blocks in use, preemptions, prefix-cache hits, tokens); a scra
 counters on the engine thread, between steps, and exposes them as they are, so nothing is
 counted twice and a step pays nothing for metrics. The latencies a client sees, the time to the
 first token and the gap between tokens, exist only on the serving side: each request's
-``RequestClock`` observes them into histograms as its outputs arrive on the event loop.
+``RequestClock`` observes them into histograms as its outputs arrive on the event loop, and
+counts the request once it ends, by how it ended (vLLM's ``request_success_total``, whose
+``finished_reason`` is also "abort" for a client gone and "error" for a failed step here).
 
 The names are vLLM's with the prefix ``nanoengine:`` instead of ``vllm:`` (e.g.
 ``nanoengine:num_requests_running``), and every series carries vLLM's ``model_name`` label, so a
@@ -15,7 +17,7 @@ dashboard built for vLLM needs only the prefix changed.
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 PREFIX = "nanoengine:"
@@ -39,6 +41,11 @@ class ServerMetrics:
         self.inter_token_latency = Histogram(
             PREFIX + "inter_token_latency_seconds", "Time between two consecutive tokens of one request.",
             ["model_name"], buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.request_success = Counter(
+            PREFIX + "request_success", "Requests ended, by how: stop, length, abort (client gone) or error.",
+            ["model_name", "finished_reason"], registry=self.registry)
+        for reason in ("stop", "length", "abort", "error"):  # each series exists, at 0, from the start
+            self.request_success.labels(model_name, reason)
         self.stats: dict = {}
         self.registry.register(self)  # as a collector: ``collect`` below, called by ``render``
 
@@ -75,16 +82,26 @@ class ServerMetrics:
 
 
 class RequestClock:
-    """One request's latencies: its first output is its TTFT, each later one an inter-token gap."""
+    """One request's latencies: its first output is its TTFT, each later engine step that gives it
+    tokens an inter-token gap (its ``n`` samples' tokens of one step are one gap, not ``n``)."""
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
         self.last = time.perf_counter()
-        self.first = True
+        self.last_step: int | None = None
+        self.finished = False
 
-    def output(self) -> None:
-        """Called as each engine output (one token) reaches the request's handler."""
+    def output(self, step: int) -> None:
+        """Called as each engine output reaches the request's handler; ``step``: the step that made it."""
+        if step == self.last_step:
+            return
         now = time.perf_counter()
-        histogram = self.metrics.time_to_first_token if self.first else self.metrics.inter_token_latency
-        histogram.observe(now - self.last)
-        self.last, self.first = now, False
+        first = self.last_step is None
+        (self.metrics.time_to_first_token if first else self.metrics.inter_token_latency).observe(now - self.last)
+        self.last, self.last_step = now, step
+
+    def finish(self, reason: str) -> None:
+        """Count the request as ended for ``reason``; only its first ending counts."""
+        if not self.finished:
+            self.finished = True
+            self.metrics.request_success.labels(self.metrics.model_name, reason).inc()

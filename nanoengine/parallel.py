@@ -25,8 +25,12 @@ import torch.distributed as dist
 from nanoengine.context import Context
 
 # A live rank answers within seconds (a dead one's closed connection fails a collective at once);
-# this bounds only a rank that hangs. Generous, as the first collective waits for model loading.
+# these bound only a rank that hangs. Generous for the first collective, which waits for every rank
+# to load its shard. After it, ranks meet at every layer of a step, each computing the same layer on
+# the same inputs, so a peer later than a minute has hung: the group fails, and with it the engine
+# (a server's /health answers 503), rather than every request waiting out ten minutes.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+STEP_COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=1)
 # A worker waits for the next step as long as the engine is idle (a server with no requests).
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 
@@ -81,6 +85,7 @@ class TensorParallelGroup:
         else:
             self._pg = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
         self.failure: str | None = None
+        self.timeout = COLLECTIVE_TIMEOUT  # STEP_COLLECTIVE_TIMEOUT once a collective has completed
         self.in_step = False  # rank 0: a step was sent and its logits not yet gathered
         # Rank 0's explanation of a failed collective (which worker died); set by worker.py.
         self.describe_failure: Callable[[], str | None] = lambda: None
@@ -94,11 +99,12 @@ class TensorParallelGroup:
             self.failure = (f"tensor-parallel rank {self.rank} lost its peers ({self.describe_failure() or e}); "
                             "the ranks are out of step: create a new engine")
             raise RuntimeError(self.failure) from e
+        self.timeout = STEP_COLLECTIVE_TIMEOUT  # every rank has loaded: see STEP_COLLECTIVE_TIMEOUT
 
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """x summed (or reduced by ``op``) over the ranks, in place."""
         options = dist.AllreduceOptions()
-        options.reduceOp = op
+        options.reduceOp, options.timeout = op, self.timeout
         self._run(lambda: self._pg.allreduce([x], options))
         return x
 
@@ -106,15 +112,15 @@ class TensorParallelGroup:
         """Every rank's x concatenated along the last dimension, on rank 0; None elsewhere."""
         x = x.contiguous()
         options = dist.GatherOptions()
-        options.rootRank = 0
+        options.rootRank, options.timeout = 0, self.timeout
         parts = [[torch.empty_like(x) for _ in range(self.size)]] if self.rank == 0 else []
         self._run(lambda: self._pg.gather(parts, [x], options))
         self.in_step = False
         return torch.cat(parts[0], dim=-1) if self.rank == 0 else None
 
-    def _broadcast(self, x: torch.Tensor, timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> None:
+    def _broadcast(self, x: torch.Tensor, timeout: datetime.timedelta | None = None) -> None:
         options = dist.BroadcastOptions()
-        options.rootRank, options.timeout = 0, timeout
+        options.rootRank, options.timeout = 0, timeout or self.timeout
         self._run(lambda: self._pg.broadcast([x], options))
 
     def send_step(self, **step) -> None:

@@ -8,9 +8,11 @@ engine's, as offline. However a response ends (done, client gone), its request i
 KV blocks of a client that disconnects are freed at once. The event loop only moves bytes and
 text: prompts are tokenized in worker threads, and the model runs on the engine's own thread.
 
-Errors are OpenAI's JSON: 400 for a bad request, 500 when the step running a request failed
-(in a stream: an error event, then ``[DONE]``), 503 from every endpoint, ``/health`` included,
-once the engine thread has stopped. ``/metrics`` serves Prometheus's text format (metrics.py).
+Errors are OpenAI's JSON (limits.py): 400 for a bad request, 413 for a body over
+``--max-request-body-bytes``, 500 when the step running a request failed (in a stream: an error
+event, then ``[DONE]``), 503 from every endpoint, ``/health`` included, once the engine cannot
+serve. What one request may ask for is bounded by the flags of the "request limits" group.
+``/metrics`` serves Prometheus's text format (metrics.py).
 """
 
 import argparse
@@ -29,10 +31,10 @@ except ImportError as e:  # the server's dependencies are an extra: say which, r
     raise SystemExit(f"nanoengine.serve needs {e.name}, which the 'serve' extra installs: "
                      "pip install -e \".[serve]\"") from None
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from nanoengine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, RequestStream
+from nanoengine.limits import MAX_REQUEST_BODY_BYTES, engine_error_response, error_response, install_error_handlers
 from nanoengine.loader import DEFAULT_MODEL_FILE
 from nanoengine.metrics import RequestClock, ServerMetrics
 from nanoengine.openai_protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, OpenAIRequest,
@@ -51,15 +53,6 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.stream.abort()
-
-
-def error_response(message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, param=param), status_code=400)
-
-
-def engine_error_response(exc: EngineError) -> JSONResponse:
-    return JSONResponse(error_body(str(exc), "server_error"),
-                        status_code=503 if isinstance(exc, EngineDeadError) else 500)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[dict]) -> dict | Response:
@@ -82,32 +75,17 @@ async def unless_disconnected(request: Request, work: Awaitable[dict]) -> dict |
     return Response(status_code=499)  # nginx's "client closed request": nobody is left to read it
 
 
-def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
+def create_app(engine: AsyncLLMEngine, model_name: str,
+               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         engine.shutdown()
 
     app = FastAPI(title="nanoengine", lifespan=lifespan)
+    install_error_handlers(app, max_request_body_bytes)
     max_model_len = engine.engine.config.max_model_len
     metrics = ServerMetrics(model_name)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = exc.errors()[0]
-        if err["type"] == "json_invalid":
-            return error_response(f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
-        loc = [str(x) for x in err["loc"] if x != "body"]
-        message = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]  # no "Value error, "
-        return error_response(f"{'.'.join(loc) or 'body'}: {message}", loc[0] if loc else None)
-
-    @app.exception_handler(EngineError)  # a failed step (500), or the engine thread gone (503)
-    async def on_engine_error(request: Request, exc: EngineError) -> JSONResponse:
-        return engine_error_response(exc)
-
-    @app.exception_handler(ValueError)  # BadRequest, SamplingParams' checks, a prompt too long...
-    async def on_value_error(request: Request, exc: ValueError) -> JSONResponse:
-        return error_response(str(exc), getattr(exc, "param", None))
 
     async def generate(request: Request, req: OpenAIRequest, prompt_ids: list[int], max_tokens: int, chat: bool,
                        logprobs: int | None, clock: RequestClock):
@@ -138,13 +116,17 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             finish_reasons = [None] * req.n
             try:
                 async for out in stream:
-                    clock.output()
+                    clock.output(out.step)
                     texts[out.index].append(out.text)
                     num_tokens[out.index] += len(out.token_ids)
                     finish_reasons[out.index] = out.finish_reason
                     token_logprobs[out.index] += out.logprobs or []
+            except EngineError:
+                clock.finish("error")
+                raise
             finally:
                 stream.abort()
+                clock.finish(finish_reasons[0] or "abort")  # unfinished: the client left
             choices = [choice(i, "".join(texts[i]), finish_reasons[i], token_logprobs[i], 0) for i in range(req.n)]
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                     "usage": usage(), "system_fingerprint": None}  # as vLLM sends it
@@ -161,20 +143,25 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             if chat:
                 for i in range(req.n):
                     yield event({"index": i, "logprobs": None, "finish_reason": None, "delta": {"role": "assistant"}})
-            text_lengths = [0] * req.n
+            text_lengths, finish_reason = [0] * req.n, "abort"  # until sample 0 ends: the client may leave first
             try:
                 async for out in stream:
-                    clock.output()
+                    clock.output(out.step)
+                    if out.finish_reason and out.index == 0:
+                        finish_reason = out.finish_reason
                     if out.text or out.finish_reason or out.logprobs:
                         yield event(choice(out.index, out.text, out.finish_reason, out.logprobs,
                                            text_lengths[out.index]))
                     text_lengths[out.index] += len(out.text)
                     num_tokens[out.index] += len(out.token_ids)
             except EngineError as e:  # the status line has gone out: the error can only be an event
+                finish_reason = "error"
                 yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
             else:
                 if (req.stream_options or {}).get("include_usage"):
                     yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': usage()})}\n\n"
+            finally:
+                clock.finish(finish_reason)
             yield "data: [DONE]\n\n"
 
         return EventStream(events(), stream)
@@ -197,8 +184,12 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             raise BadRequest("messages must not be empty", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-        prompt_ids = await asyncio.to_thread(engine.chat_prompt, [m.for_template() for m in req.messages],
-                                             req.chat_template_kwargs)
+        try:
+            prompt_ids = await asyncio.to_thread(engine.chat_prompt, [m.for_template() for m in req.messages],
+                                                 req.chat_template_kwargs)
+        except ValueError as e:  # about the prompt the engine makes of the messages, or the template's variables
+            field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+            raise BadRequest(str(e), field) from None
         # Unset means "until the context is full", as OpenAI's chat API does.
         max_tokens = next((m for m in (req.max_tokens, req.max_completion_tokens) if m is not None),
                           max(1, max_model_len - len(prompt_ids)))
@@ -214,13 +205,13 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")  # a served name may hold slashes ("org/model")
     async def model(model_id: str):
         if model_id != model_name:
-            return JSONResponse(error_body(f"The model `{model_id}` does not exist.", param="model"), status_code=404)
+            return error_response(f"The model `{model_id}` does not exist.", 404, param="model")
         return card
 
     @app.get("/health")
     async def health():
-        if engine.error is not None:
-            return engine_error_response(EngineDeadError(engine.error))
+        if (error := engine.error) is not None:
+            return engine_error_response(EngineDeadError(error))
         return {"status": "ok"}
 
     @app.get("/stats")
@@ -257,6 +248,16 @@ ENGINE_OPTIONS = {
 }
 
 
+# What one request may ask for. The first three are engine options too (config.py); unset, each
+# keeps the engine's default, which the help gives.
+LIMIT_OPTIONS = {
+    "--max-logprobs": dict(type=int, help="logprobs, top_logprobs or prompt_logprobs a request may ask for "
+                                          "(default: 20, as vLLM)"),
+    "--max-stop-strings": dict(type=int, help="stop strings a request may give (default: 32)"),
+    "--max-stop-string-length": dict(type=int, help="characters in one stop string (default: 256)"),
+}
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="An OpenAI-compatible server for nanoengine")
     parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)")
@@ -266,24 +267,33 @@ def make_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("engine options")
     for flag, kwargs in ENGINE_OPTIONS.items():
         group.add_argument(flag, **kwargs)
+    limits = parser.add_argument_group("request limits", "a request over one is refused (400, 413) before it "
+                                       "is queued; a prompt's length in characters is bounded by max_model_len")
+    for flag, kwargs in LIMIT_OPTIONS.items():
+        limits.add_argument(flag, **kwargs)
+    limits.add_argument("--max-request-body-bytes", type=int, default=MAX_REQUEST_BODY_BYTES,
+                        help=f"bytes of a request's body (default: {MAX_REQUEST_BODY_BYTES}, 4 MiB)")
     return parser
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine options the command line set, as ``LLM(...)`` keywords."""
-    names = (flag.removeprefix("--").replace("-", "_") for flag in ENGINE_OPTIONS)
+    names = (flag.removeprefix("--").replace("-", "_") for flag in ENGINE_OPTIONS | LIMIT_OPTIONS)
     return {name: value for name in names if (value := getattr(args, name)) is not None}
 
 
 def main() -> None:
     parser = make_parser()
     args = parser.parse_args()
+    if args.max_request_body_bytes < 1:
+        parser.error(f"--max-request-body-bytes must be a positive integer, got {args.max_request_body_bytes}")
     try:
         engine = AsyncLLMEngine(args.model, **engine_options(args))
     except ValueError as e:
         parser.error(str(e))
     model_name = args.served_model_name or args.model or DEFAULT_MODEL_FILE.removesuffix(".gguf")
-    uvicorn.run(create_app(engine, model_name), host=args.host, port=args.port, log_level="warning")
+    app = create_app(engine, model_name, args.max_request_body_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

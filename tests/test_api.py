@@ -2,7 +2,7 @@
 
 import pytest
 
-from nanoengine import LLM, SamplingParams
+from nanoengine import LLM, BeamSearchParams, SamplingParams
 from tests.conftest import make_tiny_model
 
 
@@ -66,6 +66,8 @@ def test_sampling_params_list_must_match_prompts(llm):
     ({"max_num_batched_tokens": 16, "max_model_len": 64}, "max_num_batched_tokens"),
     ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
     ({"gpu_memory_utilization": 1.0}, "gpu_memory_utilization"),
+    ({"max_logprobs": -1}, "max_logprobs"), ({"max_stop_strings": "8"}, "max_stop_strings"),
+    ({"dtype": "float16", "quantization": "int8"}, "quantization='int8' needs dtype"),  # the kernel takes bf16/fp32
 ])
 def test_bad_engine_options_raise_value_error(tiny_models, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -106,3 +108,64 @@ def test_generation_stops_at_max_model_len(llm):
     out = llm.generate([list(range(1, 61))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
                        use_tqdm=False)[0]
     assert len(out["token_ids"]) == 4 and out["finish_reason"] == "length"  # 60 + 4 = max_model_len
+
+
+@pytest.mark.parametrize("params, match", [
+    (dict(logprobs=21), "logprobs=21 is more than max_logprobs=20"),
+    (dict(logprobs=10**6), "logprobs=1000000 is more than max_logprobs=20"),  # topk past the vocabulary
+    (dict(prompt_logprobs=21), "prompt_logprobs=21 is more than max_logprobs=20"),
+    (dict(stop=["x"] * 33), "stop has 33 strings, more than max_stop_strings=32"),
+    (dict(stop=["y" * 257]), "stop has a string of 257 characters, more than max_stop_string_length=256"),
+])
+def test_a_request_over_a_limit_raises_naming_the_field_and_the_limit(llm, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["fine prompt", "hello"], [GREEDY, SamplingParams(max_tokens=4, **params)], use_tqdm=False)
+    assert not llm.has_unfinished_requests()
+    assert_still_usable(llm)
+
+
+def test_requests_at_the_limits_are_served(llm):
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=20, prompt_logprobs=20, stop=["z" * 256] * 32)
+    (out,) = llm.generate(["hello there"], params, use_tqdm=False)
+    assert len(out["outputs"][0]["logprobs"][0]) >= 20 and len(out["prompt_logprobs"][1]) >= 20
+
+
+def test_limits_are_engine_options(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32", max_model_len=64, max_logprobs=2, max_stop_strings=1)
+    with pytest.raises(ValueError, match="logprobs=3 is more than max_logprobs=2"):
+        llm.generate(["hi"], SamplingParams(logprobs=3), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_stop_strings=1"):
+        llm.generate(["hi"], SamplingParams(stop=["a", "b"]), use_tqdm=False)
+    wide = LLM(tiny_models["llama"], dtype="float32", max_model_len=64, max_logprobs=10**6)
+    with pytest.raises(ValueError, match=f"logprobs=100000 is more than the vocabulary's {wide.vocab_size} tokens"):
+        wide.generate(["hi"], SamplingParams(logprobs=10**5), use_tqdm=False)
+    with pytest.raises(ValueError, match="beam_width=4 needs the logprobs of 8 candidates a step, more than max_logp"):
+        llm.beam_search(["hi"], BeamSearchParams(beam_width=4, max_tokens=2))
+
+
+def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenizing(llm, monkeypatch):
+    """No token is longer than the vocabulary's longest, so a text longer than max_model_len of them is
+    refused by its length alone: a huge prompt costs no tokenizing (seconds, and memory kept)."""
+    encode = llm.tokenizer.encode
+    encoded = []
+    monkeypatch.setattr(llm.tokenizer, "encode",
+                        lambda text, *args, **kwargs: encoded.append(len(text)) or encode(text, *args, **kwargs))
+    longest = max(map(len, llm.tokenizer.get_vocab()))
+    for prompt in ("a" * (64 * longest + 1), "a" * 10**7):
+        with pytest.raises(ValueError, match=f"prompt has {len(prompt)} characters, more than max_model_len=64 tokens"):
+            llm.generate([prompt], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="characters, more than max_model_len=64"):
+        llm.chat([{"role": "user", "content": "b" * 10**7}], GREEDY, use_tqdm=False)
+    assert encoded == []
+    with pytest.raises(ValueError, match="max_model_len=64"):  # within the bound: tokenized, then counted
+        llm.generate(["a " * (64 * longest // 2)], GREEDY, use_tqdm=False)
+    assert encoded == [64 * longest]
+
+
+@pytest.mark.parametrize("text", ["bad \ud800 surrogate", "\udfff"])
+def test_a_lone_surrogate_in_a_prompt_is_a_value_error_naming_the_prompt(llm, text):
+    with pytest.raises(ValueError, match="prompt is not valid Unicode text: a lone surrogate at character"):
+        llm.generate([text], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="not valid Unicode text"):
+        llm.chat([{"role": "user", "content": text}], GREEDY, use_tqdm=False)
+    assert_still_usable(llm)

@@ -15,6 +15,7 @@ import torch
 
 from nanoengine import cpu_kernels
 from nanoengine.cpu_graph import CPUGraph, GraphCaptureError, ReplayError
+from nanoengine.cpu_library import KernelCall
 from nanoengine.engine import LLMEngine
 from nanoengine.graph_runner import CPU_GRAPH_MAX_BATCH, DecodeGraphRunner, decode_buckets
 from nanoengine.layers import RMSNorm
@@ -249,3 +250,34 @@ def test_cuda_kvcache_fills_our_share_of_the_gpu_and_no_more(tiny_models):
     assert torch.cuda.memory_allocated() <= 0.3 * total
     with pytest.raises(ValueError, match="no memory is left for the KV cache"):
         LLMEngine(tiny_models["llama"], device="cuda", gpu_memory_utilization=1e-6, enforce_eager=True)
+
+
+def test_two_engines_capturing_cpu_graphs_on_two_threads_each_generate_what_eager_does(tiny_models):
+    """Graph capture is per thread: an engine capturing on one thread must not record the kernel
+    calls that another engine makes meanwhile on another (it would replay them into memory it does
+    not own), nor miss its own."""
+    import threading
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (3, 17, 40, 5, 9, 12, 2, 30)]
+    # Staggered lengths: the batch shrinks through every bucket, so captures keep happening.
+    params = [SamplingParams(temperature=0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
+    archs = ("llama", "qwen2")
+    eager = {arch: [o["token_ids"] for o in LLM(tiny_models[arch], max_model_len=128, enforce_eager=True)
+                    .generate(prompts, params, use_tqdm=False)] for arch in archs}
+    for _ in range(3):  # each round captures afresh, in new engines
+        engines = {arch: LLM(tiny_models[arch], max_model_len=128) for arch in archs}
+        start, outputs = threading.Barrier(len(archs)), {}
+
+        def generate(arch: str) -> None:
+            start.wait()
+            outputs[arch] = [o["token_ids"] for o in engines[arch].generate(prompts, params, use_tqdm=False)]
+        threads = [threading.Thread(target=generate, args=(arch,)) for arch in archs]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert outputs == eager
+        for engine in engines.values():  # each graph holds its own step's kernel calls, no more, no fewer
+            graphs = engine.model_runner.graph_runner.graphs.values()
+            counts = {sum(isinstance(call, KernelCall) for call in graph.calls) for graph in graphs}
+            assert len(counts) == 1, counts

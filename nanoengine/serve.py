@@ -3,7 +3,8 @@
 FastAPI turns each request (its schema: openai_protocol.py) into token ids and
 ``SamplingParams``, hands them to the ``AsyncLLMEngine`` and turns what comes back (each sample's
 new tokens, their text and logprobs) into OpenAI's JSON: whole, or streamed as server-sent events
-in OpenAI's chunk format, one choice per sample (``n``). Stop strings and stop token ids are the
+in OpenAI's chunk format, one choice per prompt (a completions request may send a batch, and
+echo each prompt: openai_prompts.py) and sample (``n``). Stop strings and stop token ids are the
 engine's, as offline. However a response ends (done, client gone), its request is aborted, so the
 KV blocks of a client that disconnects are freed at once. The event loop only moves bytes and
 text: prompts are tokenized in worker threads, and the model runs on the engine's own thread.
@@ -19,6 +20,7 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import AsyncIterator, Awaitable
 
 try:
@@ -37,6 +39,7 @@ from nanoengine.loader import DEFAULT_MODEL_FILE
 from nanoengine.metrics import RequestClock, ServerMetrics
 from nanoengine.openai_protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, OpenAIRequest,
                                         chat_logprobs, completion_logprobs, error_body, sampling_params)
+from nanoengine.openai_prompts import Echo, prompt_batch, tokenize_batch, vllm_prompt_logprobs
 
 
 class EventStream(StreamingResponse):
@@ -109,16 +112,24 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     async def on_value_error(request: Request, exc: ValueError) -> JSONResponse:
         return error_response(str(exc), getattr(exc, "param", None))
 
-    async def generate(request: Request, req: OpenAIRequest, prompt_ids: list[int], max_tokens: int, chat: bool,
-                       logprobs: int | None, clock: RequestClock):
-        stream = await engine.add_request(prompt_ids, sampling_params(req, max_tokens, logprobs))
+    async def generate(request: Request, req: OpenAIRequest, prompt_ids: list[list[int]], max_tokens: int, chat: bool,
+                       logprobs: int | None, clock: RequestClock, prompt_logprobs: int | None = None,
+                       echo: Echo | None = None):
+        """Answer a request for one or more prompts (a completions batch): a choice per prompt and
+        sample, numbered ``prompt_index * n + sample_index``, as OpenAI and vLLM do."""
+        if req.prompt_logprobs is not None and req.stream:  # as in vLLM (echo's own go in the first chunk)
+            raise BadRequest("prompt_logprobs is not available with stream: true", "prompt_logprobs")
+        params = replace(sampling_params(req, max_tokens, logprobs), prompt_logprobs=prompt_logprobs)
+        stream = await engine.add_requests(prompt_ids, params)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": model_name}
-        num_tokens = [0] * req.n  # per sample (choice index)
+        num_choices = len(prompt_ids) * req.n
+        num_tokens = [0] * num_choices  # per choice
+        scored = [None] * len(prompt_ids)  # per prompt, the engine's prompt_logprobs, if asked
 
         def usage() -> dict:
-            n = sum(num_tokens)
-            return {"prompt_tokens": len(prompt_ids), "completion_tokens": n, "total_tokens": len(prompt_ids) + n}
+            n, num_prompt_tokens = sum(num_tokens), sum(map(len, prompt_ids))
+            return {"prompt_tokens": num_prompt_tokens, "completion_tokens": n, "total_tokens": num_prompt_tokens + n}
 
         def choice(index: int, text: str, finish_reason: str | None, token_logprobs: list | None, offset: int) -> dict:
             """A choice of a response, or of a chunk when streaming; ``offset``: the length of its text before."""
@@ -133,18 +144,28 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             return {"index": index, "logprobs": logprobs_json, "finish_reason": finish_reason, **content}
 
         async def whole() -> dict:
-            texts, token_logprobs = [[] for _ in range(req.n)], [[] for _ in range(req.n)]
-            finish_reasons = [None] * req.n
+            texts, token_logprobs = [[] for _ in range(num_choices)], [[] for _ in range(num_choices)]
+            finish_reasons = [None] * num_choices
             try:
                 async for out in stream:
                     clock.output()
+                    if out.prompt_logprobs is not None:
+                        scored[out.index // req.n] = out.prompt_logprobs
+                    out = echo(out) if echo is not None else out
                     texts[out.index].append(out.text)
                     num_tokens[out.index] += len(out.token_ids)
                     finish_reasons[out.index] = out.finish_reason
                     token_logprobs[out.index] += out.logprobs or []
             finally:
                 stream.abort()
-            choices = [choice(i, "".join(texts[i]), finish_reasons[i], token_logprobs[i], 0) for i in range(req.n)]
+            choices = [choice(i, "".join(texts[i]), finish_reasons[i], token_logprobs[i], 0) for i in range(num_choices)]
+            if req.prompt_logprobs is not None:  # vLLM's extension: in each choice, or in a chat response
+                shaped = [vllm_prompt_logprobs(engine.tokenizer, s, prompt_logprobs) for s in scored]
+                if chat:
+                    head["prompt_logprobs"] = shaped[0]
+                else:
+                    for c in choices:
+                        c["prompt_logprobs"] = shaped[c["index"] // req.n]
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                     "usage": usage()}
 
@@ -160,10 +181,11 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             if chat:
                 for i in range(req.n):
                     yield event({"index": i, "logprobs": None, "finish_reason": None, "delta": {"role": "assistant"}})
-            text_lengths = [0] * req.n
+            text_lengths = [0] * num_choices
             try:
                 async for out in stream:
                     clock.output()
+                    out = echo(out) if echo is not None else out
                     if out.text or out.finish_reason or out.logprobs:
                         yield event(choice(out.index, out.text, out.finish_reason, out.logprobs,
                                            text_lengths[out.index]))
@@ -185,9 +207,15 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         clock = metrics.clock()
-        prompt_ids = await asyncio.to_thread(engine.tokenize, req.prompt)
+        prompts = prompt_batch(req.prompt)
+        prompt_ids = await tokenize_batch(engine, prompts)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
-        return await generate(request, req, prompt_ids, max_tokens, chat=False, logprobs=req.logprobs, clock=clock)
+        echo = Echo(engine.tokenizer, prompts, prompt_ids, req.n, req.logprobs, drop_sample=max_tokens == 0) \
+            if req.echo else None
+        # Echo with logprobs scores the prompt: its tokens' logprobs, as many top ones as the sampled tokens'.
+        prompt_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
+        return await generate(request, req, prompt_ids, 1 if echo and echo.drop_sample else max_tokens, chat=False,
+                              logprobs=req.logprobs, clock=clock, prompt_logprobs=prompt_logprobs, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -202,7 +230,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
         max_tokens = next((m for m in (req.max_tokens, req.max_completion_tokens) if m is not None),
                           max(1, max_model_len - len(prompt_ids)))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return await generate(request, req, prompt_ids, max_tokens, chat=True, logprobs=logprobs, clock=clock)
+        return await generate(request, req, [prompt_ids], max_tokens, chat=True, logprobs=logprobs, clock=clock,
+                              prompt_logprobs=req.prompt_logprobs)
 
     @app.get("/v1/models")
     async def models():

@@ -164,7 +164,7 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user"}]}),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}),
     ("completions", {"prompt": 42}),
-    ("completions", {"prompt": ["two", "prompts"]}),
+    ("completions", {"prompt": ["two", 2]}),  # none of the four prompt forms
     ("completions", {"prompt": ""}),
     ("completions", {"prompt": [10 ** 9]}),  # not a token id
     ("completions", {"prompt": "hi", "max_tokens": "ten"}),
@@ -183,7 +183,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "presence_penalty": 0.5}),  # unsupported, so not silently ignored
     ("completions", {"prompt": "hi", "frequency_penalty": -1}),
     ("completions", {"prompt": "hi", "logit_bias": {"5": 10}}),
-    ("completions", {"prompt": "hi", "echo": True}),
+    ("completions", {"prompt": "hi", "echo": "yes"}),
     ("completions", {"prompt": "hi", "best_of": 2}),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}),
     ("completions", {"prompt": "hello " * 2000}),  # longer than max_model_len
@@ -296,13 +296,13 @@ def test_missing_server_dependency_is_one_line_naming_the_extra(module):
 # -- failures, in a server run inside the test process so that faults can be injected into its engine --
 
 @contextmanager
-def in_process_server(model_path: str):
+def in_process_server(model_path: str, **engine_options):
     """Yields the URL of a server on 127.0.0.1 and the ``LLMEngine`` behind it."""
     import uvicorn
 
     from nanoengine.async_engine import AsyncLLMEngine
     from nanoengine.serve import create_app
-    async_engine = AsyncLLMEngine(model_path, dtype="float32", device="cpu")
+    async_engine = AsyncLLMEngine(model_path, dtype="float32", device="cpu", **engine_options)
     engine = async_engine.engine
     server = uvicorn.Server(uvicorn.Config(create_app(async_engine, "tiny"), log_level="warning"))
     # Bound and listening before the server starts: connections wait in the backlog, no polling for startup.

@@ -11,7 +11,8 @@ text: prompts are tokenized in worker threads, and the model runs on the engine'
 
 Errors are OpenAI's JSON: 400 for a bad request, 500 when the step running a request failed
 (in a stream: an error event, then ``[DONE]``), 503 from every endpoint, ``/health`` included,
-once the engine thread has stopped. ``/metrics`` serves Prometheus's text format (metrics.py).
+once the engine thread has stopped. ``/metrics`` serves Prometheus's text format (metrics.py),
+``/tokenize`` and ``/detokenize`` the server's tokenizer (serving_tokenization.py).
 """
 
 import argparse
@@ -40,6 +41,7 @@ from nanoengine.metrics import RequestClock, ServerMetrics
 from nanoengine.openai_protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, OpenAIRequest,
                                         chat_logprobs, completion_logprobs, error_body, sampling_params)
 from nanoengine.openai_prompts import Echo, prompt_batch, tokenize_batch, vllm_prompt_logprobs
+from nanoengine.serving_tokenization import tokenization_router
 
 
 class EventStream(StreamingResponse):
@@ -94,6 +96,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     app = FastAPI(title="nanoengine", lifespan=lifespan)
     max_model_len = engine.engine.config.max_model_len
     metrics = ServerMetrics(model_name)
+    app.include_router(tokenization_router(engine))  # /tokenize and /detokenize
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,7 +1,7 @@
 """Evaluating a served model: the requests lm-evaluation-harness 0.4.13 sends to ``/v1/completions``
 (its ``local-completions`` client: ``LocalCompletionsAPI._create_payload`` and ``parse_logprobs``),
 answered with HF transformers' numbers on the same weights; batched prompts; ``echo``;
-vLLM's ``prompt_logprobs``.
+vLLM's ``prompt_logprobs``, ``/tokenize`` and ``/detokenize``.
 
 The server runs in the test process with a short context (64 tokens) and chunked prefill with a
 small budget, so long prompts are scored in chunks and perplexity needs several windows.
@@ -226,3 +226,24 @@ def test_prompt_logprobs_extension_has_vllms_shape_on_completions_and_chat(serve
     assert response.json()["prompt_logprobs"][0] is None and len(response.json()["prompt_logprobs"]) == len(chat_ids)
     streamed = http.post("/v1/completions", json={"prompt": prompt, "stream": True, "prompt_logprobs": 1})
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_tokenize_and_detokenize_split_text_as_the_server_does(served, tokenizer):
+    http, engine = served
+    text = "Tokenize this, please."
+    tokenized = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert tokenized == {"count": len(tokenizer.encode(text)), "max_model_len": MAX_MODEL_LEN,
+                         "tokens": tokenizer.encode(text), "token_strs": tokenizer.convert_ids_to_tokens(
+                             tokenizer.encode(text))}
+    assert http.post("/detokenize", json={"tokens": tokenized["tokens"]}).json() == {"prompt": text}
+    messages = [{"role": "user", "content": text}]
+    chat = http.post("/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == engine.chat_prompt(messages) and chat["token_strs"] is None
+    response = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert response.json()["usage"]["prompt_tokens"] == chat["count"]
+    long = http.post("/tokenize", json={"prompt": "word " * 100}).json()  # counted, not refused
+    assert long["count"] > MAX_MODEL_LEN
+    for path, body, param in [("/detokenize", {"tokens": [10 ** 9]}, "tokens"), ("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "messages": messages}, "prompt")]:
+        response = http.post(path, json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param

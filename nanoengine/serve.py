@@ -12,12 +12,14 @@ text: prompts are tokenized in worker threads, and the model runs on the engine'
 Errors are OpenAI's JSON: 400 for a bad request, 500 when the step running a request failed
 (in a stream: an error event, then ``[DONE]``), 503 from every endpoint, ``/health`` included,
 once the engine thread has stopped. ``/metrics`` serves Prometheus's text format (metrics.py),
-``/tokenize`` and ``/detokenize`` the server's tokenizer (serving_tokenization.py).
+``/tokenize`` and ``/detokenize`` the server's tokenizer (serving_tokenization.py). Every error
+response is logged in one line with its request id (request_log.py).
 """
 
 import argparse
 import asyncio
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -41,6 +43,7 @@ from nanoengine.metrics import RequestClock, ServerMetrics
 from nanoengine.openai_protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, OpenAIRequest,
                                         chat_logprobs, completion_logprobs, error_body, sampling_params)
 from nanoengine.openai_prompts import Echo, prompt_batch, tokenize_batch, vllm_prompt_logprobs
+from nanoengine.request_log import RequestLog
 from nanoengine.serving_tokenization import tokenization_router
 
 
@@ -96,6 +99,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     app = FastAPI(title="nanoengine", lifespan=lifespan)
     max_model_len = engine.engine.config.max_model_len
     metrics = ServerMetrics(model_name)
+    app.add_middleware(RequestLog)  # request ids, and a log line for every 4xx and 5xx
     app.include_router(tokenization_router(engine))  # /tokenize and /detokenize
 
     @app.exception_handler(RequestValidationError)
@@ -287,6 +291,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", help="the model's name in the API (default: --model as given)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--access-log", action="store_true",
+                        help="log every request (uvicorn's access log); errors are logged without it")
     group = parser.add_argument_group("engine options")
     for flag, kwargs in ENGINE_OPTIONS.items():
         group.add_argument(flag, **kwargs)
@@ -307,7 +313,9 @@ def main() -> None:
     except ValueError as e:
         parser.error(str(e))
     model_name = args.served_model_name or args.model or DEFAULT_MODEL_FILE.removesuffix(".gguf")
-    uvicorn.run(create_app(engine, model_name), host=args.host, port=args.port, log_level="warning")
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # request_log's error lines
+    uvicorn.run(create_app(engine, model_name), host=args.host, port=args.port,
+                log_level="info" if args.access_log else "warning", access_log=args.access_log)
 
 
 if __name__ == "__main__":

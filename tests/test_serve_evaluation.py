@@ -1,7 +1,7 @@
 """Evaluating a served model: the requests lm-evaluation-harness 0.4.13 sends to ``/v1/completions``
 (its ``local-completions`` client: ``LocalCompletionsAPI._create_payload`` and ``parse_logprobs``),
 answered with HF transformers' numbers on the same weights; batched prompts; ``echo``;
-vLLM's ``prompt_logprobs``, ``/tokenize`` and ``/detokenize``.
+vLLM's ``prompt_logprobs``, ``/tokenize`` and ``/detokenize``; error lines in the server's log.
 
 The server runs in the test process with a short context (64 tokens) and chunked prefill with a
 small budget, so long prompts are scored in chunks and perplexity needs several windows.
@@ -9,6 +9,7 @@ lm-eval itself is not needed: the payloads and the windowing below are its, writ
 """
 
 import asyncio
+import logging
 import math
 
 import pytest
@@ -247,3 +248,17 @@ def test_tokenize_and_detokenize_split_text_as_the_server_does(served, tokenizer
                               ("/tokenize", {"prompt": "a", "messages": messages}, "prompt")]:
         response = http.post(path, json=body)
         assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_every_error_response_is_one_log_line_with_its_request_id(served, caplog):
+    http, _ = served
+    with caplog.at_level(logging.WARNING, logger="nanoengine.request_log"):
+        response = http.post("/v1/completions", json={"prompt": [[1], "x"]}, headers={"X-Request-Id": "eval-42"})
+        good = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        missing = http.get("/v1/nothing-here")
+    assert response.status_code == 400 and response.headers["x-request-id"] == "eval-42"
+    assert good.status_code == 200 and len(good.headers["x-request-id"]) == 32  # one of the server's own
+    lines = [r.getMessage() for r in caplog.records if r.name == "nanoengine.request_log"]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("eval-42 POST /v1/completions 400 param=prompt: prompt: must be a string")
+    assert lines[1].startswith(f"{missing.headers['x-request-id']} GET /v1/nothing-here 404 param=None: Not Found")

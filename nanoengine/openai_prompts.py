@@ -34,8 +34,8 @@ async def tokenize_batch(engine: AsyncLLMEngine, prompts: list[Prompt]) -> list[
     def tokenize(index: int, prompt: Prompt) -> list[int]:
         try:
             return engine.tokenize(prompt)
-        except ValueError as e:
-            raise BadRequest(f"prompt{f'[{index}]' if len(prompts) > 1 else ''}: {e}", "prompt") from None
+        except ValueError as e:  # the engine's messages start "prompt ...": a batch's say which
+            raise BadRequest(f"prompt[{index}]: {e}" if len(prompts) > 1 else str(e), "prompt") from None
     return await asyncio.to_thread(lambda: [tokenize(i, p) for i, p in enumerate(prompts)])
 
 

@@ -109,7 +109,7 @@ def sampling_params(req: OpenAIRequest, max_tokens: int, logprobs: int | None) -
                           stop=req.stop, stop_token_ids=req.stop_token_ids)
 
 
-def completion_logprobs(tokenizer, logprobs: list[dict[int, float]], offset: int) -> dict:
+def completion_logprobs(tokenizer, logprobs: list[dict[int, float | None]], offset: int) -> dict:
     """The completions API's shape: each token's text and logprob, its top alternatives by text,
     and where each token's text starts (``offset``: the length of the choice's text before them).
     An echoed prompt's first token has no logprob (nothing before it predicts it): its entry is

@@ -42,7 +42,8 @@ def compare(task: str, a: dict[int, dict], b: dict[int, dict], scores: tuple[dic
         delta = f"{max(abs(u - v) for x, y in lls.values() for u, v in zip(x, y)):.1e}"
     key = next(k for k in SCORES if k in scores[0])
     x, y = scores[0][key], scores[1][key]
-    return f"| {task} | {len(a)} | {differ} | {delta} | {key.split(',')[0]} {x:.6g} / {y:.6g} ({abs(x - y) / abs(y):.1e}) |"
+    relative = abs(x - y) / abs(y) if y else abs(x - y)
+    return f"| {task} | {len(a)} | {differ} | {delta} | {key.split(',')[0]} {x:.6g} / {y:.6g} ({relative:.1e}) |"
 
 
 def main() -> None:

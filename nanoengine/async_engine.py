@@ -48,16 +48,21 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None  # per token, {token_id: logprob}, if the request asked
     finish_reason: str | None  # None while the sample runs; "stop" (EOS, stop string or id) or "length"
     step: int  # the engine step that made it: a request's outputs of one step are one inter-token gap
+    # In a sample's first output, if the request asked: per prompt token {token_id: logprob} (None first).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class RequestStream:
-    """One request's outputs, in order: ``async for output in stream``; ``abort()`` to drop it."""
+    """The outputs of one or more requests (a batch of prompts, each with ``n`` samples), in the
+    order they come: ``async for output in stream``; ``abort()`` to drop them all. An output's
+    ``index`` counts samples across the batch: ``prompt_index * n + sample_index``."""
 
-    def __init__(self, engine: "AsyncLLMEngine", loop: asyncio.AbstractEventLoop, n: int):
+    def __init__(self, engine: "AsyncLLMEngine", loop: asyncio.AbstractEventLoop, num_samples: int):
         self.engine, self.loop = engine, loop
-        self.num_unfinished = n  # samples still running: the stream ends when none is
+        self.num_unfinished = num_samples  # samples still running: the stream ends when none is
         self.queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self.request_id: int | None = None  # set by the engine thread once the request is queued
+        # Set by the engine thread once the requests are queued: each request id's prompt index.
+        self.prompt_index: dict[int, int] = {}
         self.finished = False
 
     def __aiter__(self) -> "RequestStream":
@@ -127,9 +132,13 @@ class AsyncLLMEngine:
 
     async def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> RequestStream:
         """Queue a request; a bad one raises ``ValueError`` here, before any output exists."""
-        stream = RequestStream(self, asyncio.get_running_loop(), sampling_params.n)
+        return await self.add_requests([prompt_token_ids], sampling_params)
+
+    async def add_requests(self, prompts: list[list[int]], sampling_params: SamplingParams) -> RequestStream:
+        """Queue a request per prompt, all or none, with one stream for all their outputs."""
+        stream = RequestStream(self, asyncio.get_running_loop(), len(prompts) * sampling_params.n)
         try:
-            await self._call(lambda: self._add(stream, prompt_token_ids, sampling_params))
+            await self._call(lambda: self._add(stream, prompts, sampling_params))
         except asyncio.CancelledError:  # the caller left while the request was being queued
             stream.abort()
             raise
@@ -158,13 +167,20 @@ class AsyncLLMEngine:
 
     # -- the engine thread ------------------------------------------------------------------
 
-    def _add(self, stream: RequestStream, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
-        stream.request_id = self.engine.add_request(prompt_token_ids, sampling_params)
-        self._streams[stream.request_id] = stream
+    def _add(self, stream: RequestStream, prompts: list[list[int]], sampling_params: SamplingParams) -> None:
+        try:
+            for index, prompt_token_ids in enumerate(prompts):
+                request_id = self.engine.add_request(prompt_token_ids, sampling_params)
+                stream.prompt_index[request_id] = index
+                self._streams[request_id] = stream
+        except BaseException:  # all or none: a prompt refused drops the ones queued before it
+            self._abort(stream)
+            raise
 
     def _abort(self, stream: RequestStream) -> None:
-        if self._streams.pop(stream.request_id, None) is not None:
-            self.engine.abort_request(stream.request_id)
+        for request_id in stream.prompt_index:
+            if self._streams.pop(request_id, None) is not None:
+                self.engine.abort_request(request_id)
 
     def _deliver(self, stream: RequestStream, item: RequestOutput | Exception) -> None:
         try:
@@ -217,8 +233,9 @@ class AsyncLLMEngine:
                 # The step aborted its own requests: theirs are the streams whose request is gone.
                 logger.exception("a step failed; the requests it was running are aborted")
                 for request_id in [i for i in self._streams if i not in self.engine.requests]:
-                    error = EngineError(f"the step running this request failed: {e!r}")
-                    self._deliver(self._streams.pop(request_id), error)
+                    if (stream := self._streams.get(request_id)) is not None:  # None: failed with a batch-mate
+                        self._abort(stream)  # its caller stops reading: the batch's other requests go too
+                        self._deliver(stream, EngineError(f"the step running this request failed: {e!r}"))
                 if self.engine.failure is not None:
                     return f"the engine cannot serve: {self.engine.failure}"
                 continue
@@ -226,8 +243,10 @@ class AsyncLLMEngine:
             for seq in seqs:
                 if (stream := self._streams.get(seq.request_id)) is not None:
                     logprobs = None if seq.logprobs is None else seq.logprobs[-1:]
-                    self._deliver(stream, RequestOutput(seq.sample_index, [seq.token_ids[-1]],
-                                                        seq.detokenizer.last_delta, logprobs, seq.finish_reason,
-                                                        self._num_steps))
+                    index = stream.prompt_index[seq.request_id] * seq.sampling_params.n + seq.sample_index
+                    first = seq.num_completion_tokens == 1
+                    self._deliver(stream, RequestOutput(index, [seq.token_ids[-1]], seq.detokenizer.last_delta, logprobs,
+                                                        seq.finish_reason, self._num_steps,
+                                                        seq.prompt_logprobs if first else None))
             for request_id in {seq.request_id for seq in seqs if all(s.is_finished for s in seq.group)}:
                 self._streams.pop(request_id, None)

@@ -13,9 +13,11 @@ Errors, whatever raised them, reach the client as OpenAI's error body (``error_b
 
 import json
 import logging
+from itertools import accumulate
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, ValidationError, ValidationInfo, WrapValidator,
+                      field_validator, model_validator)
 
 from nanoengine.sampling_params import SamplingParams
 
@@ -104,6 +106,7 @@ class OpenAIRequest(Schema):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob and its top k
 
     @field_validator("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", mode="before")
     @classmethod
@@ -112,10 +115,20 @@ class OpenAIRequest(Schema):
         return cls.model_fields[info.field_name].default if value is None else value
 
 
+def one_of_the_prompt_forms(value: Any, handler) -> Any:
+    """One message for a prompt of none of the four forms, rather than pydantic's one per form."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists") \
+            from None
+
+
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[int]
+    # OpenAI's four forms: one prompt (text or token ids) or a batch of them, answered together.
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], WrapValidator(one_of_the_prompt_forms)]
     logprobs: int | None = None  # how many top tokens' logprobs to return beside each sampled one
-    echo: Annotated[bool, no_op(False, why="the prompt is not echoed")] = False
+    echo: bool = False  # the prompt in front of each choice's text (and its tokens' logprobs, with logprobs)
     best_of: Annotated[int | None, no_op(None, 1, why="n completions are sampled, not best_of")] = None
     suffix: Annotated[str | None, no_op(None, why="there is no fill-in-the-middle")] = None
 
@@ -181,13 +194,17 @@ def sampling_params(req: OpenAIRequest, max_tokens: int, logprobs: int | None) -
                           logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()})
 
 
-def completion_logprobs(tokenizer, logprobs: list[dict[int, float]], offset: int) -> dict:
+def completion_logprobs(tokenizer, logprobs: list[dict[int, float | None]], offset: int) -> dict:
     """The completions API's shape: each token's text and logprob, its top alternatives by text,
-    and where each token's text starts (``offset``: the length of the choice's text before them)."""
+    and where each token's text starts (``offset``: the length of the choice's text before them).
+    An echoed prompt's first token has no logprob (nothing before it predicts it): its entry is
+    ``{token_id: None}``, and its logprob and top alternatives are null."""
     tokens = [tokenizer.decode([next(iter(top))]) for top in logprobs]
-    starts = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
-    return {"tokens": tokens, "token_logprobs": [next(iter(top.values())) for top in logprobs],
-            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in top.items()} for top in logprobs],
+    starts = list(accumulate(map(len, tokens), initial=offset))[:-1]
+    token_logprobs = [next(iter(top.values())) for top in logprobs]
+    return {"tokens": tokens, "token_logprobs": token_logprobs,
+            "top_logprobs": [None if lp is None else {tokenizer.decode([t]): v for t, v in top.items()}
+                             for top, lp in zip(logprobs, token_logprobs)],
             "text_offset": starts}
 
 

@@ -3,7 +3,8 @@
 FastAPI turns each request (its schema: openai_protocol.py) into token ids and
 ``SamplingParams``, hands them to the ``AsyncLLMEngine`` and turns what comes back (each sample's
 new tokens, their text and logprobs) into OpenAI's JSON: whole, or streamed as server-sent events
-in OpenAI's chunk format, one choice per sample (``n``). Stop strings and stop token ids are the
+in OpenAI's chunk format, one choice per prompt (a completions request may send a batch, and
+echo each prompt: openai_prompts.py) and sample (``n``). Stop strings and stop token ids are the
 engine's, as offline. However a response ends (done, client gone), its request is aborted, so the
 KV blocks of a client that disconnects are freed at once. The event loop only moves bytes and
 text: prompts are tokenized in worker threads, and the model runs on the engine's own thread.
@@ -11,16 +12,20 @@ text: prompts are tokenized in worker threads, and the model runs on the engine'
 Errors are OpenAI's JSON (limits.py): 400 for a bad request, 413 for a body over
 ``--max-request-body-bytes``, 500 when the step running a request failed (in a stream: an error
 event, then ``[DONE]``), 503 from every endpoint, ``/health`` included, once the engine cannot
-serve. What one request may ask for is bounded by the flags of the "request limits" group.
-``/metrics`` serves Prometheus's text format (metrics.py).
+serve; every error response is logged in one line with its request id (request_log.py). What one
+request may ask for is bounded by the flags of the "request limits" group. ``/metrics`` serves
+Prometheus's text format (metrics.py), ``/tokenize`` and ``/detokenize`` the server's tokenizer
+(serving_tokenization.py).
 """
 
 import argparse
 import asyncio
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import AsyncIterator, Awaitable
 
 try:
@@ -39,6 +44,9 @@ from nanoengine.loader import DEFAULT_MODEL_FILE
 from nanoengine.metrics import RequestClock, ServerMetrics
 from nanoengine.openai_protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, OpenAIRequest,
                                         chat_logprobs, completion_logprobs, error_body, sampling_params)
+from nanoengine.openai_prompts import Echo, prompt_batch, tokenize_batch, vllm_prompt_logprobs
+from nanoengine.request_log import RequestLog
+from nanoengine.serving_tokenization import tokenization_router
 
 
 class EventStream(StreamingResponse):
@@ -86,17 +94,27 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
     install_error_handlers(app, max_request_body_bytes)
     max_model_len = engine.engine.config.max_model_len
     metrics = ServerMetrics(model_name)
+    app.add_middleware(RequestLog)  # request ids, and a log line for every 4xx and 5xx
+    app.include_router(tokenization_router(engine))  # /tokenize and /detokenize
 
-    async def generate(request: Request, req: OpenAIRequest, prompt_ids: list[int], max_tokens: int, chat: bool,
-                       logprobs: int | None, clock: RequestClock):
-        stream = await engine.add_request(prompt_ids, sampling_params(req, max_tokens, logprobs))
+    async def generate(request: Request, req: OpenAIRequest, prompt_ids: list[list[int]], max_tokens: int, chat: bool,
+                       logprobs: int | None, clock: RequestClock, prompt_logprobs: int | None = None,
+                       echo: Echo | None = None):
+        """Answer a request for one or more prompts (a completions batch): a choice per prompt and
+        sample, numbered ``prompt_index * n + sample_index``, as OpenAI and vLLM do."""
+        if req.prompt_logprobs is not None and req.stream:  # as in vLLM (echo's own go in the first chunk)
+            raise BadRequest("prompt_logprobs is not available with stream: true", "prompt_logprobs")
+        params = replace(sampling_params(req, max_tokens, logprobs), prompt_logprobs=prompt_logprobs)
+        stream = await engine.add_requests(prompt_ids, params)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": model_name}
-        num_tokens = [0] * req.n  # per sample (choice index)
+        num_choices = len(prompt_ids) * req.n
+        num_tokens = [0] * num_choices  # per choice
+        scored = [None] * len(prompt_ids)  # per prompt, the engine's prompt_logprobs, if asked
 
         def usage() -> dict:
-            n = sum(num_tokens)
-            return {"prompt_tokens": len(prompt_ids), "completion_tokens": n, "total_tokens": len(prompt_ids) + n}
+            n, num_prompt_tokens = sum(num_tokens), sum(map(len, prompt_ids))
+            return {"prompt_tokens": num_prompt_tokens, "completion_tokens": n, "total_tokens": num_prompt_tokens + n}
 
         def choice(index: int, text: str, finish_reason: str | None, token_logprobs: list | None, offset: int) -> dict:
             """A choice of a response, or of a chunk when streaming; ``offset``: the length of its text before."""
@@ -112,11 +130,14 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
             return {"index": index, "logprobs": logprobs_json, "finish_reason": finish_reason, **content}
 
         async def whole() -> dict:
-            texts, token_logprobs = [[] for _ in range(req.n)], [[] for _ in range(req.n)]
-            finish_reasons = [None] * req.n
+            texts, token_logprobs = [[] for _ in range(num_choices)], [[] for _ in range(num_choices)]
+            finish_reasons = [None] * num_choices
             try:
                 async for out in stream:
                     clock.output(out.step)
+                    if out.prompt_logprobs is not None:
+                        scored[out.index // req.n] = out.prompt_logprobs
+                    out = echo(out) if echo is not None else out
                     texts[out.index].append(out.text)
                     num_tokens[out.index] += len(out.token_ids)
                     finish_reasons[out.index] = out.finish_reason
@@ -127,7 +148,14 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
             finally:
                 stream.abort()
                 clock.finish(finish_reasons[0] or "abort")  # unfinished: the client left
-            choices = [choice(i, "".join(texts[i]), finish_reasons[i], token_logprobs[i], 0) for i in range(req.n)]
+            choices = [choice(i, "".join(texts[i]), finish_reasons[i], token_logprobs[i], 0) for i in range(num_choices)]
+            if req.prompt_logprobs is not None:  # vLLM's extension: in each choice, or in a chat response
+                shaped = [vllm_prompt_logprobs(engine.tokenizer, s, prompt_logprobs) for s in scored]
+                if chat:
+                    head["prompt_logprobs"] = shaped[0]
+                else:
+                    for c in choices:
+                        c["prompt_logprobs"] = shaped[c["index"] // req.n]
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                     "usage": usage(), "system_fingerprint": None}  # as vLLM sends it
 
@@ -143,12 +171,13 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
             if chat:
                 for i in range(req.n):
                     yield event({"index": i, "logprobs": None, "finish_reason": None, "delta": {"role": "assistant"}})
-            text_lengths, finish_reason = [0] * req.n, "abort"  # until sample 0 ends: the client may leave first
+            text_lengths, finish_reason = [0] * num_choices, "abort"  # until sample 0 ends: the client may leave first
             try:
                 async for out in stream:
                     clock.output(out.step)
                     if out.finish_reason and out.index == 0:
                         finish_reason = out.finish_reason
+                    out = echo(out) if echo is not None else out
                     if out.text or out.finish_reason or out.logprobs:
                         yield event(choice(out.index, out.text, out.finish_reason, out.logprobs,
                                            text_lengths[out.index]))
@@ -173,9 +202,15 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         clock = metrics.clock()
-        prompt_ids = await asyncio.to_thread(engine.tokenize, req.prompt)
+        prompts = prompt_batch(req.prompt)
+        prompt_ids = await tokenize_batch(engine, prompts)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
-        return await generate(request, req, prompt_ids, max_tokens, chat=False, logprobs=req.logprobs, clock=clock)
+        echo = Echo(engine.tokenizer, prompts, prompt_ids, req.n, req.logprobs, drop_sample=max_tokens == 0) \
+            if req.echo else None
+        # Echo with logprobs scores the prompt: its tokens' logprobs, as many top ones as the sampled tokens'.
+        prompt_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
+        return await generate(request, req, prompt_ids, 1 if echo and echo.drop_sample else max_tokens, chat=False,
+                              logprobs=req.logprobs, clock=clock, prompt_logprobs=prompt_logprobs, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -194,7 +229,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
         max_tokens = next((m for m in (req.max_tokens, req.max_completion_tokens) if m is not None),
                           max(1, max_model_len - len(prompt_ids)))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return await generate(request, req, prompt_ids, max_tokens, chat=True, logprobs=logprobs, clock=clock)
+        return await generate(request, req, [prompt_ids], max_tokens, chat=True, logprobs=logprobs, clock=clock,
+                              prompt_logprobs=req.prompt_logprobs)
 
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoengine", "max_model_len": max_model_len}
 
@@ -264,6 +300,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", help="the model's name in the API (default: --model as given)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--access-log", action="store_true",
+                        help="log every request (uvicorn's access log); errors are logged without it")
     group = parser.add_argument_group("engine options")
     for flag, kwargs in ENGINE_OPTIONS.items():
         group.add_argument(flag, **kwargs)
@@ -292,8 +330,10 @@ def main() -> None:
     except ValueError as e:
         parser.error(str(e))
     model_name = args.served_model_name or args.model or DEFAULT_MODEL_FILE.removesuffix(".gguf")
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # request_log's error lines
     app = create_app(engine, model_name, args.max_request_body_bytes)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.access_log else "warning",
+                access_log=args.access_log)
 
 
 if __name__ == "__main__":

@@ -32,11 +32,16 @@ GREEDY = dict(temperature=0, max_tokens=24)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models, tmp_path_factory):
+def server_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, server_log):
     from bench_serving import nanoengine_server
     args = ["--model", tiny_models["llama"], "--dtype", "float32", "--device", "cpu", "--served-model-name",
-            "tiny-served", "--enforce-eager"]
-    with open(tmp_path_factory.mktemp("serve") / "server.log", "w+") as log:
+            "tiny-served", "--enforce-eager", "--access-log"]
+    with open(server_log, "w+") as log:
         try:
             with nanoengine_server(args, output=log) as url:
                 yield url
@@ -164,7 +169,7 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user"}]}),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}),
     ("completions", {"prompt": 42}),
-    ("completions", {"prompt": ["two", "prompts"]}),
+    ("completions", {"prompt": ["two", 2]}),  # none of the four prompt forms
     ("completions", {"prompt": ""}),
     ("completions", {"prompt": [10 ** 9]}),  # not a token id
     ("completions", {"prompt": "hi", "max_tokens": "ten"}),
@@ -190,7 +195,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "logit_bias": {"1000000": 1}}),  # not a token id
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": 0}}),
-    ("completions", {"prompt": "hi", "echo": True}),
+    ("completions", {"prompt": "hi", "echo": "yes"}),
     ("completions", {"prompt": "hi", "best_of": 2}),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}),
     ("completions", {"prompt": "hello " * 2000}),  # longer than max_model_len
@@ -206,6 +211,17 @@ def test_bad_request_gets_400_and_the_next_good_one_succeeds(server, path, body)
     assert error["type"] == "invalid_request_error" and error["message"] and error["code"] is None
     good = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+
+
+def test_the_server_log_has_a_line_per_error_and_with_access_log_one_per_request(server, server_log):
+    bad = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "n": 0}, headers={"X-Request-Id": "log-1"},
+                     timeout=10)
+    good = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "log-1" and good.status_code == 200
+    lines = server_log.read_text().splitlines()
+    assert [line.split(": ", 1)[1] for line in lines if " log-1 " in line] == [
+        "log-1 POST /v1/completions 400 param=None: n must be an integer >= 1, got 0"]
+    assert sum('"POST /v1/completions HTTP/1.1" 200' in line for line in lines) >= 1
 
 
 def test_malformed_json_gets_400_and_openai_client_sees_bad_request(server, client, model_name):

@@ -7,7 +7,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("openai")
 
-from tests.test_serve import PROMPTS, chat_prompt_ids, client, llm, model_name, offline, server  # noqa: E402,F401
+from tests.test_serve import (PROMPTS, chat_prompt_ids, client, llm, model_name, offline, server,  # noqa: E402,F401
+                              server_log)
 
 # A low temperature: the samples differ, and float32 noise between batch shapes moves no token.
 SAMPLED = dict(temperature=0.3, max_tokens=12, seed=4)

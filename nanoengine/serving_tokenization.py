@@ -1,0 +1,71 @@
+"""vLLM's ``/tokenize`` and ``/detokenize``: the server's own tokenizer over HTTP, so a client can
+count and split tokens exactly as the server does (an evaluation harness sizing its windows, a
+client checking a prompt against ``max_model_len`` before sending it).
+
+The fields are vLLM's. ``/tokenize`` takes a ``prompt`` (encoded with ``add_special_tokens``,
+default true, as the completions endpoint encodes a text prompt) or chat ``messages`` (rendered and
+tokenized by the chat template as the chat endpoint does, with ``add_generation_prompt``, default
+true) and answers ``count``, ``max_model_len``, ``tokens`` and, with ``return_token_strs``, each
+token's string in the vocabulary. A prompt longer than ``max_model_len`` is tokenized all the same:
+saying how long it is is the point. ``/detokenize`` takes ``tokens`` and answers the ``prompt``
+they decode to.
+"""
+
+import asyncio
+
+from fastapi import APIRouter
+from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict
+
+from nanoengine.async_engine import AsyncLLMEngine
+from nanoengine.openai_protocol import BadRequest, ChatMessage
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None  # one model is served
+    prompt: str | None = None  # either a text...
+    messages: list[ChatMessage] | None = None  # ...or a conversation
+    add_special_tokens: bool = True  # text only: the chat template writes a conversation's own
+    add_generation_prompt: bool = True  # messages only
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+def tokenize(engine: AsyncLLMEngine, req: TokenizeRequest) -> list[int]:
+    if (req.prompt is None) == (req.messages is None):
+        raise BadRequest("give either prompt (a text) or messages (a conversation)", "prompt")
+    if req.prompt is not None:
+        return engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    conversation = [{"role": m.role, "content": m.text} for m in req.messages]
+    try:
+        return list(engine.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False,
+                                                         add_generation_prompt=req.add_generation_prompt))
+    except TemplateError as e:
+        raise BadRequest(f"the chat template rejected the messages: {e}", "messages") from e
+
+
+def tokenization_router(engine: AsyncLLMEngine) -> APIRouter:
+    router = APIRouter()
+    max_model_len = engine.engine.config.max_model_len
+
+    # In a worker thread, as the completions endpoint tokenizes: a long text must not hold up the event loop.
+    @router.post("/tokenize")
+    async def tokenize_endpoint(req: TokenizeRequest):
+        tokens = await asyncio.to_thread(tokenize, engine, req)
+        strs = engine.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": strs}
+
+    @router.post("/detokenize")
+    async def detokenize_endpoint(req: DetokenizeRequest):
+        vocab_size = engine.engine.vocab_size
+        if bad := [t for t in req.tokens if not 0 <= t < vocab_size]:
+            raise BadRequest(f"tokens {bad[:5]} are outside the model's vocabulary [0, {vocab_size})", "tokens")
+        return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, req.tokens)}
+
+    return router

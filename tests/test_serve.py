@@ -220,7 +220,7 @@ def test_the_server_log_has_a_line_per_error_and_with_access_log_one_per_request
     assert bad.status_code == 400 and bad.headers["x-request-id"] == "log-1" and good.status_code == 200
     lines = server_log.read_text().splitlines()
     assert [line.split(": ", 1)[1] for line in lines if " log-1 " in line] == [
-        "log-1 POST /v1/completions 400 param=None: n must be an integer >= 1, got 0"]
+        "log-1 POST /v1/completions 400 param=n: n must be an integer >= 1, got 0"]
     assert sum('"POST /v1/completions HTTP/1.1" 200' in line for line in lines) >= 1
 
 

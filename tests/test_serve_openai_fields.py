@@ -20,7 +20,7 @@ from pydantic import ValidationError  # noqa: E402
 from nanoengine import LLM, SamplingParams  # noqa: E402
 from nanoengine.openai_protocol import IGNORED, ChatCompletionRequest, ChatMessage, CompletionRequest  # noqa: E402
 from tests.test_serve import (REPO_ROOT, chat_prompt_ids, client, in_process_server, llm, model_name,  # noqa: E402,F401
-                              offline, server)
+                              offline, server, server_log)
 
 MESSAGES = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour.",
                                                                      "name": "ann"}]
@@ -97,7 +97,6 @@ def test_completion_with_every_field_equals_offline(client, model_name, llm):
     ("chat/completions", "web_search_options", {}, "there is no web search"),
     ("chat/completions", "verbosity", "high", "verbosity cannot be set"),
     ("completions", "suffix", "!", "no fill-in-the-middle"),
-    ("completions", "echo", True, "the prompt is not echoed"),
     ("completions", "best_of", 3, "not best_of"),
 ])
 def test_a_value_nanoengine_cannot_honour_is_refused_saying_why(client, model_name, path, field, value, reason):

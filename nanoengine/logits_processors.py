@@ -14,10 +14,11 @@ never a loop over rows on the device. A step in which no row uses any of them bu
 (``build_logits_processors`` returns None) and skips the pass.
 
 ``apply_logits_processors`` is the one seam: a grammar's bitmask of allowed tokens is one more
-kind applied there (structured_output.py), and a speculative verifier applies the same processing to its draft positions by
-building rows whose tokens include the drafts before them.
+kind applied there (structured_output.py), and a speculative verifier applies the same processing
+to its draft positions by building rows whose tokens include the drafts before them.
 """
 
+import array
 from dataclasses import dataclass
 
 import torch
@@ -44,44 +45,65 @@ def build_logits_processors(rows: list[Row], eos_token_ids: set[int], device: to
                             allowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> LogitsProcessors | None:
     """The entries of a batch's rows (and the grammars' ``allowed`` tokens, as
     structured_output.allowed_tokens gives them), or None when no row asks for any processing."""
-    bias: tuple[list, list, list] = ([], [], [])
-    repetition: tuple[list, list, list] = ([], [], [])
-    counted: tuple[list, list, list, list, list] = ([], [], [], [], [])  # rows, ids, counts, presence, frequency
+    bias, repetition, counted = _Entries(), _Entries(), _Entries()
     for row, (params, token_ids, num_prompt_tokens, counts) in enumerate(rows):
         if params.logit_bias:
-            _extend(bias, row, params.logit_bias.keys(), params.logit_bias.values())
+            bias.add(row, params.logit_bias.keys(), params.logit_bias.values())
         if len(token_ids) - num_prompt_tokens < params.min_tokens:
             held_back = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
-            _extend(bias, row, held_back, [float("-inf")] * len(held_back))
+            bias.add(row, held_back, [float("-inf")] * len(held_back))
         if params.repetition_penalty != 1:
             # A token both in the prompt and the completion is two entries; both write the same value.
-            seen = token_ids[:num_prompt_tokens] + list(counts)
-            _extend(repetition, row, seen, [params.repetition_penalty] * len(seen))
+            repetition.add(row, token_ids[:num_prompt_tokens] + list(counts), row_values=[params.repetition_penalty])
         if params.presence_penalty or params.frequency_penalty:
-            _extend(counted, row, counts.keys(), counts.values(), [params.presence_penalty] * len(counts),
-                    [params.frequency_penalty] * len(counts))
-    if not (bias[0] or repetition[0] or counted[0] or allowed):
+            counted.add(row, counts.keys(), counts.values(), [params.presence_penalty, params.frequency_penalty])
+    if not (bias.token_ids or repetition.token_ids or counted.token_ids or allowed):
         return None
-    occurrences = None
-    if counted[0]:
-        rows_, token_ids, count, presence, frequency = _tensors(counted, device)
-        occurrences = (rows_, token_ids, frequency * count + presence * (count > 0))
-    return LogitsProcessors(_tensors(bias, device) if bias[0] else None,
-                            _tensors(repetition, device) if repetition[0] else None, occurrences, allowed)
+    processors = LogitsProcessors(None, None, None, allowed)
+    if bias.token_ids:
+        processors.bias = bias.tensors(device)
+    if repetition.token_ids:
+        rows_, token_ids, _, penalty = repetition.tensors(device)
+        processors.repetition = (rows_, token_ids, penalty)
+    if counted.token_ids:
+        rows_, token_ids, count, presence, frequency = counted.tensors(device)
+        processors.occurrences = (rows_, token_ids, frequency * count + presence * (count > 0))
+    return processors
 
 
-def _extend(entries: tuple[list, ...], row: int, token_ids, *values) -> None:
-    token_ids = list(token_ids)
-    entries[0].extend([row] * len(token_ids))
-    entries[1].extend(token_ids)
-    for column, column_values in zip(entries[2:], values):
-        column.extend(column_values)
+class _Entries:
+    """One kind's entries, collected row by row. Only a token id and a value per entry go through
+    Python lists (packed by ``array``, at C speed: ``torch.tensor`` reads a list one number at a
+    time, 1.3 ms for 14k token ids here, against 0.3); a row's index and parameters go once per row
+    and are repeated over its entries by torch. Built per entry, the lists cost more than the
+    processing itself."""
+
+    def __init__(self):
+        self.rows, self.lengths, self.row_values, self.token_ids, self.values = [], [], [], [], []
+
+    def add(self, row: int, token_ids, values=(), row_values=()) -> None:
+        token_ids = list(token_ids)
+        self.rows.append(row)
+        self.lengths.append(len(token_ids))
+        self.row_values.append(list(row_values))
+        self.token_ids += token_ids
+        self.values += values
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Per entry: its row, token id and value, and its row's values (one tensor per column)."""
+        lengths = torch.tensor(self.lengths, device=device)
+        row_values = torch.tensor(self.row_values, dtype=torch.float32, device=device)
+        row_values = row_values.repeat_interleave(lengths, dim=0)
+        return (torch.tensor(self.rows, device=device).repeat_interleave(lengths),
+                _packed(self.token_ids, "q", device), _packed(self.values, "f", device), *row_values.T)
 
 
-def _tensors(entries: tuple[list, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Rows and token ids as int64, values as float32 (the logits' dtype in the sampler)."""
-    return tuple(torch.tensor(column, dtype=torch.int64 if i < 2 else torch.float32, device=device)
-                 for i, column in enumerate(entries))
+def _packed(values: list, typecode: str, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` in int64 ("q") or float32 ("f"), through an ``array``."""
+    dtype = torch.int64 if typecode == "q" else torch.float32
+    if not values:  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.frombuffer(array.array(typecode, values), dtype=dtype).to(device)  # the tensor keeps it alive
 
 
 def apply_logits_processors(logits: torch.Tensor, processors: LogitsProcessors | None) -> torch.Tensor:

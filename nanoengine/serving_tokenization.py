@@ -42,7 +42,7 @@ def tokenize(engine: AsyncLLMEngine, req: TokenizeRequest) -> list[int]:
         raise BadRequest("give either prompt (a text) or messages (a conversation)", "prompt")
     if req.prompt is not None:
         return engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    conversation = [{"role": m.role, "content": m.text} for m in req.messages]
+    conversation = [m.for_template() for m in req.messages]
     try:
         return list(engine.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False,
                                                          add_generation_prompt=req.add_generation_prompt))

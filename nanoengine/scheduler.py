@@ -172,7 +172,8 @@ class Scheduler:
         seq.append_token(token_id, logprobs)
         params, reason = seq.sampling_params, None
         if seq.grammar is not None:  # the sampler allowed only this grammar's tokens
-            assert seq.grammar.consume_token(token_id), "a token the grammar does not allow was sampled"
+            accepted = seq.grammar.consume_token(token_id)
+            assert accepted, "a token the grammar does not allow was sampled"
         if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
             reason = "stop"
         elif seq.grammar is not None and seq.grammar.is_stopped():  # nothing may follow: the output is whole

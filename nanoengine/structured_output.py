@@ -32,6 +32,9 @@ except ImportError:  # optional: only a request with structured_outputs needs it
     llguidance = None
 
 
+MAX_CACHED_GRAMMARS = 256
+
+
 class GrammarCompiler:
     """Turns a request's ``StructuredOutputsParams`` into a checked grammar, cached by its text.
 
@@ -41,6 +44,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]):
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self.grammars: dict[tuple[str, str], str] = {}  # (kind, text) -> checked grammar: this engine's own
 
     @functools.cached_property
     def _llg_tokenizer(self):
@@ -48,7 +52,6 @@ class GrammarCompiler:
             raise ValueError('structured_outputs needs llguidance: pip install -e ".[structured]"')
         return llguidance.hf.from_tokenizer(self.tokenizer, self.vocab_size, eos_token=self.stop_token_ids)
 
-    @functools.lru_cache(maxsize=256)
     def _compile(self, kind: str, text: str) -> str:
         matcher = llguidance.LLMatcher
         # JSON without free whitespace between its tokens (vLLM's disable_any_whitespace): a model
@@ -70,7 +73,11 @@ class GrammarCompiler:
     def compile(self, params: StructuredOutputsParams) -> str:
         """``params``' grammar, checked at the first request that names it; a ``ValueError`` if the
         library refuses it."""
-        return self._compile(*params.key)
+        if params.key not in self.grammars:
+            if len(self.grammars) >= MAX_CACHED_GRAMMARS:  # the oldest goes: a bound on what clients can grow
+                self.grammars.pop(next(iter(self.grammars)))
+            self.grammars[params.key] = self._compile(*params.key)
+        return self.grammars[params.key]
 
     def matcher(self, params: StructuredOutputsParams):
         """A fresh matcher for ``params``' grammar, at its start."""

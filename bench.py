@@ -11,7 +11,9 @@ lengths uniform in 100..1024, prompt ids uniform in 0..10000, max_model_len 4096
 Qwen3-0.6B's), with random weights: throughput does not depend on their values.
 ``--timeline PATH.png`` plots the run step by step (needs matplotlib: ``pip install -e ".[plot]"``).
 ``--penalties`` gives every request a repetition penalty of 1.1 and presence and frequency penalties
-of 0.5, to measure what the logits processors cost.
+of 0.5, to measure what the logits processors cost. ``--workload grounded`` asks the model (through
+its chat template) to repeat passages given in the prompt, greedy: the workload speculative decoding
+(``--speculative-config``) is for.
 """
 
 import argparse
@@ -26,6 +28,37 @@ import torch
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.trace import StepObserver
+
+
+# The input-grounded workload: the model is asked to repeat or edit a passage given in its prompt,
+# the kind of output speculative decoding by prompt lookup is for. Passages written for this bench.
+PASSAGES = [
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He wound the clockwork, "
+    "trimmed the wick and polished the great lens until it shone. Ships passing the headland counted "
+    "the flashes, three short and one long, and knew exactly where they were. In forty years the light "
+    "had never once failed, not in the storm of the long winter, not on the night the harbour froze.",
+    "To make bread, mix flour, water, salt and a little yeast in a large bowl. Knead the dough for ten "
+    "minutes, until it is smooth and springs back when pressed. Leave it covered in a warm place for an "
+    "hour, then shape it into a loaf and let it rise again. Bake it in a hot oven for forty minutes, "
+    "until the crust is brown and the loaf sounds hollow when tapped underneath.",
+    "The library opens at nine in the morning and closes at six in the evening, except on Sundays, when "
+    "it is closed all day. Members may borrow up to eight books at a time for three weeks. Books can be "
+    "renewed twice, online or at the front desk, unless another member has reserved them. Late returns "
+    "cost ten cents a day, and lost books must be paid for at the price of a new copy.",
+    "Our small village sits at the foot of a green hill, beside a slow river. In spring the orchards "
+    "bloom white and pink, and in summer children swim below the old stone bridge. Every autumn the "
+    "whole village gathers in the square for the harvest fair, with music, apple pies and a contest for "
+    "the largest pumpkin. In winter the hill is covered in snow and the river turns to ice.",
+]
+TASKS = ["Repeat the following text exactly, word for word:\n\n{}",
+         "Copy out this passage, keeping every sentence as it is:\n\n{}"]
+
+
+def grounded_prompts(tokenizer, num_seqs: int) -> list[list[int]]:
+    """Chat prompts asking to repeat a passage, cycling through passages and wordings."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": TASKS[i // len(PASSAGES) % len(TASKS)].format(
+        PASSAGES[i % len(PASSAGES)])}], tokenize=True, add_generation_prompt=True, return_dict=False)
+        for i in range(num_seqs)]
 
 
 def make_requests(args, vocab_size: int):
@@ -127,6 +160,9 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--preset", choices=["nano-vllm"], help="nano-vllm's workload: 256 seqs, in/out 100..1024")
+    parser.add_argument("--workload", default="random", choices=["random", "grounded"],
+                        help="random: token-id prompts, EOS ignored (nano-vllm's); grounded: chat prompts asking "
+                             "to repeat a passage, greedy, up to --max-output-len tokens (for speculative decoding)")
 
 
 def resolve_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -164,8 +200,12 @@ def main():
                         help="dummy: random weights, for a model directory with only its config.json")
     parser.add_argument("--penalties", action="store_true",
                         help="every request with repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5")
+    parser.add_argument("--speculative-config", type=json.loads, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     args = parser.parse_args()
     resolve_workload(parser, args)
+    if args.workload == "grounded" and args.compare_hf:
+        parser.error("--compare-hf runs the random workload only (HF's generate would stop at other places)")
     if args.timeline:
         try:
             import matplotlib  # noqa: F401  (checked before the run, not after it)
@@ -173,22 +213,28 @@ def main():
             parser.error('--timeline needs matplotlib: pip install -e ".[plot]"')
 
     # Token-id prompts only: no tokenizer needed, so a directory with just a config.json runs too.
+    grounded = args.workload == "grounded"
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-              quantization=args.quantization, max_model_len=args.max_model_len, skip_tokenizer_init=True,
+              quantization=args.quantization, max_model_len=None if grounded else args.max_model_len,
+              skip_tokenizer_init=not grounded, speculative_config=args.speculative_config,
               attention_backend=args.attention_backend, load_format=args.load_format,
               enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
               tensor_parallel_size=args.tensor_parallel_size, num_kvcache_blocks=args.num_kvcache_blocks)
     prompts, output_lens = make_requests(args, llm.vocab_size)
     penalties = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5) if args.penalties else {}
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **penalties) for n in output_lens]
+    if grounded:
+        prompts = grounded_prompts(llm.tokenizer, args.num_seqs)
+        params = [SamplingParams(temperature=0.0, max_tokens=args.max_output_len, **penalties)] * args.num_seqs
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     observer = StepObserver(llm) if args.timeline else None  # counts per step, after the warm-up
     before = llm.stats()
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    s = {k: v - before[k] for k, v in llm.stats().items() if k in before and k.endswith(("tokens", "seconds", "steps", "preemptions"))}
-    total = sum(output_lens)
+    s = {k: v - before[k] for k, v in llm.stats().items() if k in before and k.endswith(("tokens", "seconds", "steps",
+                                                                                          "preemptions", "drafts"))}
+    total = s["generated_tokens"]  # the output lengths, or fewer where EOS ended a grounded request
     results = {
         "dtype": str(llm.model_runner.dtype).removeprefix("torch."),
         "quantization": args.quantization,
@@ -202,17 +248,27 @@ def main():
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "total_tokens": total, "seconds": elapsed, "throughput_tok_per_s": total / elapsed,
     }
+    if args.speculative_config:
+        results.update({k: s[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                          "spec_decode_num_accepted_tokens")})
+        # vLLM's mean acceptance length: tokens per verification, the target's own one included.
+        results["mean_accepted_length"] = 1 + s["spec_decode_num_accepted_tokens"] / max(s["spec_decode_num_drafts"], 1)
     if args.num_seqs == 1:
         # One request: its latency, to set beside llama.cpp's llama-bench (tg128 is 1e3 / TPOT).
-        # TTFT is the prefill step; TPOT the mean decode step (both step times, as the engine counts).
+        # TTFT is the prefill step; TPOT the decode steps' time per token they gave (all but the
+        # first; a step gives more than one with speculative decoding).
         results.update(ttft_ms=1e3 * s["prefill_seconds"] / s["prefill_steps"],
-                       tpot_ms=1e3 * s["decode_seconds"] / max(s["decode_steps"], 1))
+                       tpot_ms=1e3 * s["decode_seconds"] / max(total - 1, 1))
     print(f"dtype: {results['dtype']}, quantization: {args.quantization}, threads: {results['threads']}, "
           f"device: {llm.model_runner.device}, tensor parallel size: {args.tensor_parallel_size}")
     print(f"Prefill: {results['prefill_tok_per_s']:.2f}tok/s, Decode: {results['decode_tok_per_s']:.2f}tok/s, "
           f"mean decode batch: {results['mean_decode_batch']:.1f}")
     print(f"Preemptions: {results['num_preemptions']}, prefix-cache hit rate: {results['prefix_cache_hit_rate']:.1%}, "
           f"peak RSS: {results['peak_rss_gib']:.2f}GiB")
+    if args.speculative_config:
+        print(f"Speculative decoding: {results['spec_decode_num_accepted_tokens']} of "
+              f"{results['spec_decode_num_draft_tokens']} draft tokens accepted, mean accepted length "
+              f"{results['mean_accepted_length']:.2f}")
     if args.num_seqs == 1:
         print(f"Single request: TTFT: {results['ttft_ms']:.1f}ms, TPOT: {results['tpot_ms']:.2f}ms "
               f"({1e3 / results['tpot_ms']:.1f}tok/s)")

@@ -11,6 +11,7 @@ which run ``execute_model`` on them (worker.py).
 """
 
 import dataclasses
+from itertools import accumulate
 
 import torch
 from transformers import PretrainedConfig
@@ -25,6 +26,7 @@ from nanoengine.loader import load_dummy_weights, load_weights
 from nanoengine.logits_processors import build_logits_processors
 from nanoengine.model import build_model
 from nanoengine.parallel import TensorParallelGroup
+from nanoengine.rejection_sampler import RejectionSampler
 from nanoengine.sampler import LogitRows, Sampler, SamplerOutput, compute_logprobs
 from nanoengine.sequence import Sequence
 from nanoengine.structured_output import allowed_tokens
@@ -50,6 +52,7 @@ class ModelRunner:
         if self.device.type == "cpu" and not config.learner_mode:
             use_cpu_kernels(self.model, self.dtype)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = get_backend(config.attention_kernels, self.device, config.learner_mode)
         for layer in self.attention_layers:
@@ -143,17 +146,18 @@ class ModelRunner:
         input_ids, positions, slots, cu_q, cu_k = [], [], [], [0], [0]
         for seq in seqs:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-            input_ids += seq.token_ids[start:end]
+            input_ids += seq.scheduled_token_ids  # with drafts, past the sequence's own tokens
             positions += range(start, end)
             slots += self._slots(seq, start, end)
             cu_q.append(cu_q[-1] + end - start)
             cu_k.append(cu_k[-1] + end)
         reads_cache = any(seq.num_computed_tokens for seq in seqs)
-        # The rows whose logits are needed: prompt positions that score prompt logprobs, then the sample.
+        # The rows whose logits are needed: prompt positions that score prompt logprobs, then the
+        # sample's (the newest token's, and each draft's after it).
         logits_indices = []
         for seq, first, end in zip(seqs, cu_q, cu_q[1:]):
             logits_indices += [first + p - seq.num_computed_tokens for p in seq.prompt_logprob_positions]
-            logits_indices += [end - 1] if seq.samples else []
+            logits_indices += range(end - 1 - len(seq.spec_token_ids), end) if seq.samples else []
         ctx = Context(
             is_prefill=True, slot_mapping=self._tensor(slots, torch.int64),
             cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32),
@@ -187,7 +191,8 @@ class ModelRunner:
             ctx.blocks_to_copy = self._tensor(blocks_to_copy, torch.int64)
         logits = self.compute_logits(input_ids, positions, ctx)
         rows = LogitRows.of([len(seq.prompt_logprob_positions) if seq.needs_prompt_logprobs else None for seq in seqs],
-                            [len(seq.sample_indices) if seq.samples else 0 for seq in seqs])
+                            [len(seq.sample_indices) if seq.samples else 0 for seq in seqs],
+                            [len(seq.spec_token_ids) for seq in seqs])
         prompt_logprobs = None
         if any(seq.needs_prompt_logprobs for seq in seqs):  # each scores the prompt token after its position
             prompt_logprobs = [None if span is None else compute_logprobs(
@@ -200,22 +205,37 @@ class ModelRunner:
                              None if sampled.logprobs is None else rows.per_output(sampled.logprobs), prompt_logprobs)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """A token per sample row of ``logits`` (``LogitRows.sample_logits``): each sequence's
-        ``sample_indices`` in turn."""
+        """Each sample's new tokens from its rows of ``logits`` (``LogitRows.sample_logits``), each
+        sequence's ``sample_indices`` in turn: a token from its one row, or, for a sequence with
+        speculative drafts, the rejection sampler's verdict over its ``1 + drafts`` rows."""
         samples = [(seq, index) for seq in seqs for index in seq.sample_indices]
-        params = [seq.sampling_params for seq, _ in samples]
-        # At a request's first sample its n rows share the (empty) completion.
+        # A row per position scored: row j of a sample follows its tokens and its first j drafts,
+        # which its logits processors see as sampled already (penalties count them, min_tokens too).
+        rows = [(seq, index, seq.token_ids + seq.spec_token_ids[:j] if j else seq.token_ids)
+                for seq, index in samples for j in range(1 + len(seq.spec_token_ids))]
+        params = [seq.sampling_params for seq, _, _ in rows]
+        # At a request's first sample its n rows share the (empty) completion. A constrained sample
+        # never has drafts (the engine proposes none for it), so its grammar scores its one row.
         processors = build_logits_processors(
-            [(p, seq.token_ids, seq.num_prompt_tokens, seq.output_token_counts) for p, (seq, _) in zip(params, samples)],
-            self.eos_token_ids, logits.device, allowed_tokens([seq.grammar for seq, _ in samples], logits.shape[-1],
+            [(p, tokens, seq.num_prompt_tokens, _counts(seq.output_token_counts, tokens[seq.num_tokens:]))
+             for p, (seq, _, tokens) in zip(params, rows)],
+            self.eos_token_ids, logits.device, allowed_tokens([seq.grammar for seq, _, _ in rows], logits.shape[-1],
                                                               logits.device))
-        token_ids = self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],
-                                 [p.top_p for p in params], [p.sample_seed(i) for p, (_, i) in zip(params, samples)],
-                                 [seq.num_tokens for seq, _ in samples], [p.min_p for p in params], processors)
+        args = ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
+                [p.sample_seed(i) for p, (_, i, _) in zip(params, rows)], [len(tokens) for _, _, tokens in rows],
+                [p.min_p for p in params], processors)
+        if len(rows) == len(samples):  # no drafts: a token per row
+            chosen = self.sampler(logits, *args)
+            token_ids = [[t] for t in chosen.tolist()]
+        else:
+            token_ids, chosen = self.rejection_sampler(logits, [seq.spec_token_ids for seq, _ in samples], *args)
         logprobs = None
-        if any(p.logprobs is not None for p in params):
-            logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        if any(p.logprobs is not None for p in params):  # of the emitted tokens, from their rows
+            per_row = compute_logprobs(logits, chosen, [p.logprobs for p in params])
+            starts = [0] + list(accumulate(1 + len(seq.spec_token_ids) for seq, _ in samples))
+            logprobs = [None if per_row[start] is None else per_row[start:start + len(tokens)]
+                        for start, tokens in zip(starts, token_ids)]
+        return SamplerOutput(token_ids, logprobs)
 
     def compute_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
         """Rank 0's forward. With tensor parallelism it first sends the step's inputs to the other
@@ -241,3 +261,13 @@ class ModelRunner:
         if ctx.is_prefill:
             hidden = hidden[ctx.logits_indices]
         return self.model.compute_logits(hidden)
+
+
+def _counts(counts: dict[int, int] | None, drafts: list[int]) -> dict[int, int] | None:
+    """A completion's token counts (kept only when a penalty needs them), with ``drafts`` added."""
+    if counts is None or not drafts:
+        return counts
+    counts = dict(counts)
+    for token_id in drafts:
+        counts[token_id] = counts.get(token_id, 0) + 1
+    return counts

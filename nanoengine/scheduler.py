@@ -194,6 +194,7 @@ class Scheduler:
             self.spec_decode_counts["num_accepted_tokens"] += len(token_ids) - 1
             seq.spec_token_ids = []
         for i, token_id in enumerate(token_ids):
+            seq.num_new_tokens = i + 1
             if (reason := self._append_token(seq, token_id, None if logprobs is None else logprobs[i])) is not None:
                 break
         seq.num_computed_tokens = seq.num_tokens - 1

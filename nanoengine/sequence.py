@@ -46,6 +46,7 @@ class Sequence:
         # scheduler gives them lookahead slots and the next step computes them after the newest
         # token; the accepted ones are appended, and the list is emptied whenever a token lands.
         self.spec_token_ids: list[int] = []
+        self.num_new_tokens = 0  # appended by the sequence's latest step: 1, or more with drafts accepted
         self.finish_reason: str | None = None
         self.request_id = self.seq_id  # the first sequence's id names the request
         self.sample_index = 0  # which of the request's n samples this is

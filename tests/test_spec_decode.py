@@ -8,6 +8,7 @@ rejection sampler, with a chi-square bound.
 """
 
 import contextlib
+import json
 import os
 
 import pytest
@@ -223,3 +224,31 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
         chi2 = ((counts[p > 0] - expected) ** 2 / expected).sum().item()
         assert chi2 < CHI2_AT_0_001[len(expected) - 1], (chi2, counts, expected)
     assert second.sum() > draws * 0.05  # the draft was accepted often enough to test what follows it
+
+
+def test_server_takes_a_speculative_config_and_counts_drafts_in_its_metrics(engines, tiny_models):
+    """``serve --speculative-config JSON``: a draft model equal to the target, so every draft is accepted."""
+    pytest.importorskip("aiohttp")  # bench_serving's client, which starts the server
+    prometheus_parser = pytest.importorskip("prometheus_client.parser")
+    import httpx
+
+    from bench_serving import nanoengine_server
+    spec = json.dumps({"method": "draft_model", "model": tiny_models["llama"], "num_speculative_tokens": 3})
+    body = {"prompt": PROMPTS[1], "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    with nanoengine_server(["--model", tiny_models["llama"], "--dtype", "float32", "--device", "cpu",
+                            "--speculative-config", spec]) as url:
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as events:
+            chunks = [json.loads(line.removeprefix("data: ")) for line in events.iter_lines()
+                      if line.startswith("data: {")]
+        metrics = {sample.name.removeprefix("nanoengine:"): sample.value for family in
+                   prometheus_parser.text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=5).text)
+                   for sample in family.samples}
+    plain, _ = engines["llama"]
+    expected = plain.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                              use_tqdm=False)[0]
+    assert response["choices"][0]["text"] == expected["text"]
+    # Streamed, a step's chunk carries every token it accepted: fewer chunks than tokens, the same text.
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected["text"] and len(chunks) < 24
+    assert metrics["spec_decode_num_accepted_tokens_total"] == metrics["spec_decode_num_draft_tokens_total"] >= 12
+    assert metrics["spec_decode_num_drafts_total"] > 0

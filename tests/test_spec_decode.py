@@ -18,7 +18,7 @@ from nanoengine import LLM, SamplingParams
 from nanoengine.rejection_sampler import RejectionSampler
 from nanoengine.sampler import Sampler
 from nanoengine.spec_decode import NgramProposer, SpeculativeConfig
-from tests.conftest import TINY_ARCHS, make_tiny_model
+from tests.conftest import TINY_ARCHS, OracleProposer, make_tiny_model
 
 # The chi-square distribution's 0.999 quantile by degrees of freedom (index 0: none).
 CHI2_AT_0_001 = [0.0, 10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88]
@@ -26,21 +26,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
 # Prompts that share a 32-token prefix (prefix hits), with repeats for the n-gram proposer to find.
 PREFIX = list(range(200, 232))
 PROMPTS = [PREFIX + [7, 8, 9, 7, 8], PREFIX + list(range(300, 340)), [5, 6, 5, 6, 5, 6, 5], PREFIX + [11] * 9]
-
-
-class OracleProposer:
-    """Drafts from the reference completions: right, except every third position (by absolute position)."""
-
-    def __init__(self, prompts: list[list[int]], completions: list[list[int]]):
-        self.full = [p + c for p, c in zip(prompts, completions)]
-
-    def propose(self, seqs, max_drafts):
-        drafts = []
-        for seq, k in zip(seqs, max_drafts):
-            full = next((f for f in self.full if f[:seq.num_tokens] == seq.token_ids), seq.token_ids)
-            guess = full[seq.num_tokens:seq.num_tokens + k]
-            drafts.append([t if (seq.num_tokens + i) % 3 else (t + 1) % 500 for i, t in enumerate(guess)])
-        return drafts
 
 
 @contextlib.contextmanager

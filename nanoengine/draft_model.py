@@ -1,4 +1,5 @@
-"""The draft-model proposer: a small model of the same tokenizer guesses the target's next tokens.
+"""The draft-model proposer: a small model of the same tokenizer guesses the target's next tokens
+(and ``build_proposer``, which picks the proposer a ``speculative_config`` asks for).
 
 It is a second, smaller engine inside the first, reusing its pieces: a ``ModelRunner`` over the
 draft's weights with a paged KV cache of its own, and a ``BlockManager`` over that cache. Every
@@ -26,7 +27,7 @@ from nanoengine.loader import checkpoint_directory, load_hf_config, resolve_mode
 from nanoengine.model_runner import ModelRunner
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.sequence import Sequence, SequenceStatus
-from nanoengine.spec_decode import SpeculativeConfig
+from nanoengine.spec_decode import NgramProposer, Proposer, SpeculativeConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30)
 
@@ -96,3 +97,12 @@ class DraftModelProposer:
 
     def _free(self, seq_id: int) -> None:
         self.block_manager.deallocate(self.shadows.pop(seq_id)[1])
+
+
+def build_proposer(config: Config, target: PretrainedConfig, num_kvcache_blocks: int) -> Proposer | None:
+    """The proposer ``config.speculative_config`` asks for, or None."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    return NgramProposer(spec) if spec.method == "ngram" else DraftModelProposer(spec, config, target,
+                                                                                 num_kvcache_blocks)

@@ -24,14 +24,13 @@ from jinja2 import TemplateError
 from nanoengine.block_manager import BlockManager
 from nanoengine.config import Config
 from nanoengine.detokenizer import Detokenizer
-from nanoengine.draft_model import DraftModelProposer
+from nanoengine.draft_model import build_proposer
 from nanoengine.loader import (checkpoint_directory, load_eos_token_ids, load_hf_config, load_tokenizer,
                                resolve_model_path)
 from nanoengine.model_runner import ModelRunner
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.scheduler import Scheduler
 from nanoengine.sequence import Sequence
-from nanoengine.spec_decode import NgramProposer, Proposer
 from nanoengine.structured_output import GrammarCompiler
 from nanoengine.worker import start_workers
 
@@ -56,15 +55,6 @@ def interrupts_deferred():
         signal.signal(signal.SIGINT, previous)
         if received:
             previous(signal.SIGINT, received[0])
-
-
-def build_proposer(config: Config, hf_config, num_kvcache_blocks: int) -> Proposer | None:
-    """The proposer ``config.speculative_config`` asks for (spec_decode.py), or None."""
-    spec = config.speculative_config
-    if spec is None:
-        return None
-    return NgramProposer(spec) if spec.method == "ngram" else DraftModelProposer(spec, config, hf_config,
-                                                                                 num_kvcache_blocks)
 
 
 class LLMEngine:

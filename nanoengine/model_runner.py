@@ -11,7 +11,6 @@ which run ``execute_model`` on them (worker.py).
 """
 
 import dataclasses
-from itertools import accumulate
 
 import torch
 from transformers import PretrainedConfig
@@ -23,13 +22,12 @@ from nanoengine.cpu_runtime import keep_freed_memory_for_reuse, use_cpu_kernels,
 from nanoengine.graph_runner import DecodeGraphRunner
 from nanoengine.linear import quantize_linears
 from nanoengine.loader import load_dummy_weights, load_weights
-from nanoengine.logits_processors import build_logits_processors
 from nanoengine.model import build_model
 from nanoengine.parallel import TensorParallelGroup
 from nanoengine.rejection_sampler import RejectionSampler
 from nanoengine.sampler import LogitRows, Sampler, SamplerOutput, compute_logprobs
+from nanoengine.sampling_metadata import SamplingMetadata
 from nanoengine.sequence import Sequence
-from nanoengine.structured_output import allowed_tokens
 
 CPU_KVCACHE_BYTES = 1 << 30  # the RAM budget for the KV cache on CPU
 
@@ -205,37 +203,16 @@ class ModelRunner:
                              None if sampled.logprobs is None else rows.per_output(sampled.logprobs), prompt_logprobs)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """Each sample's new tokens from its rows of ``logits`` (``LogitRows.sample_logits``), each
-        sequence's ``sample_indices`` in turn: a token from its one row, or, for a sequence with
-        speculative drafts, the rejection sampler's verdict over its ``1 + drafts`` rows."""
-        samples = [(seq, index) for seq in seqs for index in seq.sample_indices]
-        # A row per position scored: row j of a sample follows its tokens and its first j drafts,
-        # which its logits processors see as sampled already (penalties count them, min_tokens too).
-        rows = [(seq, index, seq.token_ids + seq.spec_token_ids[:j] if j else seq.token_ids)
-                for seq, index in samples for j in range(1 + len(seq.spec_token_ids))]
-        params = [seq.sampling_params for seq, _, _ in rows]
-        # At a request's first sample its n rows share the (empty) completion. A constrained sample
-        # never has drafts (the engine proposes none for it), so its grammar scores its one row.
-        processors = build_logits_processors(
-            [(p, tokens, seq.num_prompt_tokens, _counts(seq.output_token_counts, tokens[seq.num_tokens:]))
-             for p, (seq, _, tokens) in zip(params, rows)],
-            self.eos_token_ids, logits.device, allowed_tokens([seq.grammar for seq, _, _ in rows], logits.shape[-1],
-                                                              logits.device))
-        args = ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
-                [p.sample_seed(i) for p, (_, i, _) in zip(params, rows)], [len(tokens) for _, _, tokens in rows],
-                [p.min_p for p in params], processors)
-        if len(rows) == len(samples):  # no drafts: a token per row
-            chosen = self.sampler(logits, *args)
-            token_ids = [[t] for t in chosen.tolist()]
+        """Each sample's new tokens from its rows of ``logits`` (``LogitRows.sample_logits``): a token
+        from its one row, or, for a sequence with speculative drafts, the rejection sampler's verdict
+        over its ``1 + drafts`` rows."""
+        meta = SamplingMetadata.of(seqs, self.eos_token_ids, logits.shape[-1], logits.device)
+        if meta.has_drafts:
+            token_ids, chosen = self.rejection_sampler(logits, meta.draft_token_ids, *meta.sampler_args)
         else:
-            token_ids, chosen = self.rejection_sampler(logits, [seq.spec_token_ids for seq, _ in samples], *args)
-        logprobs = None
-        if any(p.logprobs is not None for p in params):  # of the emitted tokens, from their rows
-            per_row = compute_logprobs(logits, chosen, [p.logprobs for p in params])
-            starts = [0] + list(accumulate(1 + len(seq.spec_token_ids) for seq, _ in samples))
-            logprobs = [None if per_row[start] is None else per_row[start:start + len(tokens)]
-                        for start, tokens in zip(starts, token_ids)]
-        return SamplerOutput(token_ids, logprobs)
+            chosen = self.sampler(logits, *meta.sampler_args)
+            token_ids = [[t] for t in chosen.tolist()]
+        return SamplerOutput(token_ids, meta.emitted_logprobs(logits, chosen, token_ids))
 
     def compute_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
         """Rank 0's forward. With tensor parallelism it first sends the step's inputs to the other
@@ -262,12 +239,3 @@ class ModelRunner:
             hidden = hidden[ctx.logits_indices]
         return self.model.compute_logits(hidden)
 
-
-def _counts(counts: dict[int, int] | None, drafts: list[int]) -> dict[int, int] | None:
-    """A completion's token counts (kept only when a penalty needs them), with ``drafts`` added."""
-    if counts is None or not drafts:
-        return counts
-    counts = dict(counts)
-    for token_id in drafts:
-        counts[token_id] = counts.get(token_id, 0) + 1
-    return counts

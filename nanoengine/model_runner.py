@@ -66,9 +66,10 @@ class ModelRunner:
         self.graph_runner = None
         cpu_graphs = tp is None and config.attention_kernels == "cpu"
         if not (config.enforce_eager or config.learner_mode) and (self.device.type == "cuda" or cpu_graphs):
+            spec = config.speculative_config
             self.graph_runner = DecodeGraphRunner(
                 self.model, config.max_num_seqs, -(-config.max_model_len // self.block_size), hf_config.hidden_size,
-                self.device, self.dtype, use_graphs=True)
+                self.device, self.dtype, use_graphs=True, max_query_len=1 + (spec.num_speculative_tokens if spec else 0))
 
     def _kvcache_block_bytes(self) -> int:
         a = self.attention_layers[0]
@@ -231,10 +232,10 @@ class ModelRunner:
             # out as a later copy's destination.
             for src, dst in ctx.blocks_to_copy.tolist():
                 self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        if ctx.is_prefill or self.graph_runner is None:
-            hidden = self.model(input_ids, positions, ctx)
+        if self.graph_runner is not None and self.graph_runner.can_run(ctx, len(input_ids)):
+            hidden = self.graph_runner.run(input_ids, positions, ctx)  # a decode step, or a small verify step
         else:
-            hidden = self.graph_runner.run(input_ids, positions, ctx)
+            hidden = self.model(input_ids, positions, ctx)
         if ctx.is_prefill:
             hidden = hidden[ctx.logits_indices]
         return self.model.compute_logits(hidden)

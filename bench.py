@@ -55,10 +55,11 @@ TASKS = ["Repeat the following text exactly, word for word:\n\n{}",
 
 
 def grounded_prompts(tokenizer, num_seqs: int) -> list[list[int]]:
-    """Chat prompts asking to repeat a passage, cycling through passages and wordings."""
+    """Chat prompts asking to repeat two passages (about 170 tokens), cycling through passages and wordings."""
+    def text(i: int) -> str:
+        return PASSAGES[i % len(PASSAGES)] + "\n\n" + PASSAGES[(i + 1) % len(PASSAGES)]
     return [tokenizer.apply_chat_template([{"role": "user", "content": TASKS[i // len(PASSAGES) % len(TASKS)].format(
-        PASSAGES[i % len(PASSAGES)])}], tokenize=True, add_generation_prompt=True, return_dict=False)
-        for i in range(num_seqs)]
+        text(i))}], tokenize=True, add_generation_prompt=True, return_dict=False) for i in range(num_seqs)]
 
 
 def make_requests(args, vocab_size: int):

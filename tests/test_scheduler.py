@@ -478,6 +478,17 @@ def test_fixed_workload_exercises_preemption_and_prefix_hits():
     assert scheduler.num_preemptions > 0 and scheduler.prefix_cache_hit_tokens > 0
 
 
+def test_drafts_that_do_not_fit_the_free_blocks_are_cut_and_preempt_nobody():
+    scheduler, runner = make_scheduler(num_blocks=3, block_size=4, max_model_len=12)
+    a, b = add(scheduler, [1, 2, 3, 4, 5]), add(scheduler, [6, 7, 8])  # 2 blocks and 1: the cache is full
+    step(scheduler, runner)
+    assert scheduler.block_manager.num_free_blocks == 0 and (a.num_tokens, b.num_tokens) == (6, 4)
+    a.spec_token_ids = [9, 10, 11]  # positions 6..8: the third needs a block there is none of
+    seqs, _ = scheduler.schedule()
+    assert seqs == [a, b] and scheduler.num_preemptions == 0
+    assert a.spec_token_ids == [9, 10] and a.num_scheduled_tokens == 3 and len(a.block_table) == 2
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_speculative_drafts_give_the_same_tokens_and_their_rejected_slots_are_taken_back(chunked):
     """The driver with drafts that are right two times in three: each output is as without them, every

@@ -228,6 +228,10 @@ def main():
         prompts = grounded_prompts(llm.tokenizer, args.num_seqs)
         params = [SamplingParams(temperature=0.0, max_tokens=args.max_output_len, **penalties)] * args.num_seqs
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    if grounded and args.speculative_config:
+        # Verify steps record a CPU graph per number of drafts at first sight: see them all before timing,
+        # on a prompt that is not one of the run's.
+        llm.generate(grounded_prompts(llm.tokenizer, args.num_seqs + 1)[-1:], params[:1], use_tqdm=False)
     observer = StepObserver(llm) if args.timeline else None  # counts per step, after the warm-up
     before = llm.stats()
     start = time.perf_counter()

@@ -119,8 +119,11 @@ class DecodeGraphRunner:
         if not ctx.is_prefill:
             return True
         n = len(ctx.cu_seqlens_q) - 1
+        # (One token each through the prefill path, a prompt's last after a prefix hit, stays eager:
+        # a key of one token per sequence is decode's.)
         return (ctx.block_tables is not None and ctx.max_seqlen_q * n == num_tokens
-                and ctx.max_seqlen_q <= self.max_query_len and ctx.block_tables.shape[1] <= self.block_tables.shape[1])
+                and 1 < ctx.max_seqlen_q <= self.max_query_len
+                and ctx.block_tables.shape[1] <= self.block_tables.shape[1])
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:

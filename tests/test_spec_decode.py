@@ -66,6 +66,7 @@ def test_speculative_config_is_checked():
         SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2})
     config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (3, 3)  # vLLM's defaults: each from the other
+    assert config.disable_by_batch_size == 32
     with pytest.raises(ValueError, match="speculative_config must be a dict"):
         LLM(None, speculative_config="ngram")
 
@@ -237,3 +238,21 @@ def test_server_takes_a_speculative_config_and_counts_drafts_in_its_metrics(engi
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected["text"] and len(chunks) < 24
     assert metrics["spec_decode_num_accepted_tokens_total"] == metrics["spec_decode_num_draft_tokens_total"] >= 12
     assert metrics["spec_decode_num_drafts_total"] > 0
+
+
+def test_no_drafts_once_disable_by_batch_size_sequences_run(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 2})
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 16, 30)]
+    reference = llm.generate(PROMPTS[:3], greedy, use_tqdm=False)
+    batches = []
+
+    class Recording(OracleProposer):
+        def propose(self, seqs, max_drafts):
+            if seqs:
+                batches.append(len(llm.scheduler.running))
+            return super().propose(seqs, max_drafts)
+    llm.proposer = Recording(PROMPTS[:3], [r["token_ids"] for r in reference])
+    ours = llm.generate(PROMPTS[:3], greedy, use_tqdm=False)
+    assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in reference]
+    assert batches and max(batches) == 1  # drafts only for the last request, alone

@@ -126,9 +126,10 @@ class AsyncLLMEngine:
         """The prompt's token ids; a ``ValueError`` if it is empty or too long. Reads the engine only."""
         return self.engine.tokenize(prompt)
 
-    def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
+    def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
         """A conversation's prompt token ids (``LLMEngine.chat_prompt``). Reads the engine only."""
-        return self.engine.chat_prompt(conversation, chat_template_kwargs)
+        return self.engine.chat_prompt(conversation, chat_template_kwargs, tools)
 
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Compile ``params``' grammar into the engine's cache (``GrammarCompiler``, thread-safe), on

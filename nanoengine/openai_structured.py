@@ -56,5 +56,5 @@ async def structured_outputs(engine: AsyncLLMEngine, req: OpenAIRequest,
         param = "tools" if field == "tool_choice" else field
         raise BadRequest(f"{source} is not a grammar llguidance accepts: {e.reason}", param) from None
     except ValueError as e:  # StructuredOutputsParams' own checks, which name its fields
-        raise BadRequest(f"{field}: {e}", field) from None
+        raise BadRequest(str(e) if field == "structured_outputs" else f"{field}: {e}", field) from None
     return params

@@ -165,6 +165,8 @@ def test_two_constraints_in_one_request_are_a_400_naming_them(served, body, name
     ({"structured_outputs": {"grammar": "root ::= nothing_defined"}}, "structured_outputs",
      "structured_outputs.grammar is not a grammar llguidance accepts"),
     ({"guided_choice": []}, "guided_choice", "choice must be a non-empty list"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+     "structured_outputs takes exactly one of json, json_object, regex, choice, grammar; got ['regex', 'choice']"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
       "tool_choice": "required"}, "tools", "tools (a function's parameters) is not a grammar llguidance accepts"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is given with type"),

@@ -30,17 +30,21 @@ def tool_call_grammar(tools: list[dict], parallel: bool) -> str:
     A function without ``parameters`` takes none, as in OpenAI's API: its arguments are ``{}``. The
     arguments are compact JSON, as is all JSON the engine constrains (structured_output.py).
     """
+    tail = json.dumps("}\n" + END)  # Lark's string literals escape as JSON's
+
     def call(function: dict) -> str:
         head = json.dumps(f'{START}\n{{"name": {json.dumps(function["name"])}, "arguments": ')
         schema = function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
         schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
-        return f"{head} %json {json.dumps(schema)} {json.dumps('}' + chr(10) + END)}"
+        return f"{head} %json {json.dumps(schema)} {tail}"
     repeat = ' ("\\n" call)*' if parallel else ""
     return f"start: call{repeat}\ncall: " + " | ".join(call(tool["function"]) for tool in tools)
 
 
 @dataclass
 class ToolChoice:
+    """What one chat request's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` ask for."""
+
     tools: list[dict]  # OpenAI's function tools, for the chat template; empty with "none"
     choice: str  # "none", "auto", "required" or "function" (a named one)
     forced: list[dict]  # what a call must be of: every tool for "required", the named one
@@ -65,7 +69,7 @@ class ToolChoice:
     @property
     def grammar(self) -> str | None:
         """The grammar that makes the output a call; None unless the choice forces one."""
-        return tool_call_grammar(self.forced, self.parallel and self.choice == "required") if self.forced else None
+        return tool_call_grammar(self.forced, self.parallel) if self.forced else None
 
     def parser(self) -> ToolCallParser | None:
         """A parser for one choice's text; None with "none", whose text is all content."""

@@ -11,12 +11,14 @@ lengths uniform in 100..1024, prompt ids uniform in 0..10000, max_model_len 4096
 Qwen3-0.6B's), with random weights: throughput does not depend on their values.
 ``--timeline PATH.png`` plots the run step by step (needs matplotlib: ``pip install -e ".[plot]"``).
 ``--penalties`` gives every request a repetition penalty of 1.1 and presence and frequency penalties
-of 0.5, to measure what the logits processors cost. ``--structured-output json`` constrains every
-request to one JSON schema (an order record: nested objects, an array of them, an enum, a pattern,
-required fields), each prompt a chat request asking for such a record; the same requests then run
-unconstrained, each for as many tokens as its constrained run made, so that the two throughputs
-differ by the grammar's cost alone, and both are reported (the prefix cache is off, so that the
-second run does not find the first one's prompts cached).
+of 0.5, to measure what the logits processors cost. ``--workload grounded`` asks the model (through
+its chat template) to repeat passages given in the prompt, greedy: the workload speculative decoding
+(``--speculative-config``) is for. ``--structured-output json`` constrains every request to one JSON
+schema (an order record: nested objects, an array of them, an enum, a pattern, required fields),
+each prompt a chat request asking for such a record; the same requests then run unconstrained, each
+for as many tokens as its constrained run made, so that the two throughputs differ by the grammar's
+cost alone, and both are reported (the prefix cache is off, so that the second run does not find
+the first one's prompts cached).
 """
 
 import argparse
@@ -47,6 +49,38 @@ ORDER_SCHEMA = {  # --structured-output json's: nested objects, an array of them
         "status": {"enum": ["pending", "paid", "shipped", "delivered", "cancelled"]},
         "note": {"type": "string", "maxLength": 80}}}
 JSON_PROMPT_TOKENS = 256  # room for --structured-output's prompts (about 100 tokens), whatever --max-input-len says
+
+
+# The input-grounded workload: the model is asked to repeat or edit a passage given in its prompt,
+# the kind of output speculative decoding by prompt lookup is for. Passages written for this bench.
+PASSAGES = [
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He wound the clockwork, "
+    "trimmed the wick and polished the great lens until it shone. Ships passing the headland counted "
+    "the flashes, three short and one long, and knew exactly where they were. In forty years the light "
+    "had never once failed, not in the storm of the long winter, not on the night the harbour froze.",
+    "To make bread, mix flour, water, salt and a little yeast in a large bowl. Knead the dough for ten "
+    "minutes, until it is smooth and springs back when pressed. Leave it covered in a warm place for an "
+    "hour, then shape it into a loaf and let it rise again. Bake it in a hot oven for forty minutes, "
+    "until the crust is brown and the loaf sounds hollow when tapped underneath.",
+    "The library opens at nine in the morning and closes at six in the evening, except on Sundays, when "
+    "it is closed all day. Members may borrow up to eight books at a time for three weeks. Books can be "
+    "renewed twice, online or at the front desk, unless another member has reserved them. Late returns "
+    "cost ten cents a day, and lost books must be paid for at the price of a new copy.",
+    "Our small village sits at the foot of a green hill, beside a slow river. In spring the orchards "
+    "bloom white and pink, and in summer children swim below the old stone bridge. Every autumn the "
+    "whole village gathers in the square for the harvest fair, with music, apple pies and a contest for "
+    "the largest pumpkin. In winter the hill is covered in snow and the river turns to ice.",
+]
+TASKS = ["Repeat the following text exactly, word for word:\n\n{}",
+         "Copy out this passage, keeping every sentence as it is:\n\n{}"]
+
+
+def grounded_prompts(tokenizer, num_seqs: int) -> list[list[int]]:
+    """Chat prompts asking to repeat two passages (about 170 tokens), cycling through passages and wordings."""
+    def text(i: int) -> str:
+        return PASSAGES[i % len(PASSAGES)] + "\n\n" + PASSAGES[(i + 1) % len(PASSAGES)]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": TASKS[i // len(PASSAGES) % len(TASKS)].format(
+        text(i))}], tokenize=True, add_generation_prompt=True, return_dict=False) for i in range(num_seqs)]
 
 
 def make_requests(args, vocab_size: int):
@@ -175,6 +209,9 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--preset", choices=["nano-vllm"], help="nano-vllm's workload: 256 seqs, in/out 100..1024")
+    parser.add_argument("--workload", default="random", choices=["random", "grounded"],
+                        help="random: token-id prompts, EOS ignored (nano-vllm's); grounded: chat prompts asking "
+                             "to repeat a passage, greedy, up to --max-output-len tokens (for speculative decoding)")
 
 
 def resolve_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -212,14 +249,19 @@ def main():
                         help="dummy: random weights, for a model directory with only its config.json")
     parser.add_argument("--penalties", action="store_true",
                         help="every request with repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5")
+    parser.add_argument("--speculative-config", type=json.loads, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     parser.add_argument("--structured-output", choices=["json"],
                         help="every request constrained to a JSON schema, its prompt asking for JSON; reported "
                              "beside the same requests unconstrained")
     args = parser.parse_args()
     resolve_workload(parser, args)
+    if args.workload == "grounded" and args.compare_hf:
+        parser.error("--compare-hf runs the random workload only (HF's generate would stop at other places)")
     if args.structured_output:
-        if args.compare_hf:
-            parser.error("--compare-hf runs HF without a grammar: not with --structured-output")
+        if args.compare_hf or args.workload == "grounded":
+            parser.error("--structured-output brings its own prompts and runs them without a grammar too: "
+                         "not with --compare-hf or --workload grounded")
         args.max_model_len = JSON_PROMPT_TOKENS + args.max_output_len
     if args.timeline:
         try:
@@ -228,10 +270,12 @@ def main():
             parser.error('--timeline needs matplotlib: pip install -e ".[plot]"')
 
     # Token-id prompts only: no tokenizer needed, so a directory with just a config.json runs too
-    # (--structured-output's grammar and chat prompts need the tokenizer).
+    # (the grounded workload's chat prompts and --structured-output's grammar need the tokenizer).
+    grounded = args.workload == "grounded"
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-              quantization=args.quantization, max_model_len=args.max_model_len,
-              skip_tokenizer_init=not args.structured_output, enable_prefix_caching=not args.structured_output,
+              quantization=args.quantization, max_model_len=None if grounded else args.max_model_len,
+              skip_tokenizer_init=not (grounded or args.structured_output), speculative_config=args.speculative_config,
+              enable_prefix_caching=not args.structured_output,
               attention_backend=args.attention_backend, load_format=args.load_format,
               enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
               tensor_parallel_size=args.tensor_parallel_size, num_kvcache_blocks=args.num_kvcache_blocks)
@@ -240,6 +284,9 @@ def main():
     if args.structured_output:
         options["structured_outputs"] = StructuredOutputsParams(json=ORDER_SCHEMA)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **options) for n in output_lens]
+    if grounded:
+        prompts = grounded_prompts(llm.tokenizer, args.num_seqs)
+        params = [SamplingParams(temperature=0.0, max_tokens=args.max_output_len, **options)] * args.num_seqs
     # Warm-up; a constrained one also reads the vocabulary into the grammar library (about a second, once).
     llm.generate([prompts[0][:16]], replace(params[0], max_tokens=4), use_tqdm=False)
     observer = StepObserver(llm) if args.timeline else None  # counts per step, after the warm-up
@@ -247,8 +294,9 @@ def main():
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    s = {k: v - before[k] for k, v in llm.stats().items() if k in before and k.endswith(("tokens", "seconds", "steps", "preemptions"))}
-    total = sum(len(output["token_ids"]) for output in outputs)  # a grammar may end a request early
+    s = {k: v - before[k] for k, v in llm.stats().items() if k in before and k.endswith(("tokens", "seconds", "steps",
+                                                                                          "preemptions", "drafts"))}
+    total = s["generated_tokens"]  # the output lengths, or fewer where EOS or a grammar ended a request
     results = {
         "dtype": str(llm.model_runner.dtype).removeprefix("torch."),
         "quantization": args.quantization,
@@ -262,17 +310,27 @@ def main():
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "total_tokens": total, "seconds": elapsed, "throughput_tok_per_s": total / elapsed,
     }
+    if args.speculative_config:
+        results.update({k: s[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                          "spec_decode_num_accepted_tokens")})
+        # vLLM's mean acceptance length: tokens per verification, the target's own one included.
+        results["mean_accepted_length"] = 1 + s["spec_decode_num_accepted_tokens"] / max(s["spec_decode_num_drafts"], 1)
     if args.num_seqs == 1:
         # One request: its latency, to set beside llama.cpp's llama-bench (tg128 is 1e3 / TPOT).
-        # TTFT is the prefill step; TPOT the mean decode step (both step times, as the engine counts).
+        # TTFT is the prefill step; TPOT the decode steps' time per token they gave (all but the
+        # first; a step gives more than one with speculative decoding).
         results.update(ttft_ms=1e3 * s["prefill_seconds"] / s["prefill_steps"],
-                       tpot_ms=1e3 * s["decode_seconds"] / max(s["decode_steps"], 1))
+                       tpot_ms=1e3 * s["decode_seconds"] / max(total - 1, 1))
     print(f"dtype: {results['dtype']}, quantization: {args.quantization}, threads: {results['threads']}, "
           f"device: {llm.model_runner.device}, tensor parallel size: {args.tensor_parallel_size}")
     print(f"Prefill: {results['prefill_tok_per_s']:.2f}tok/s, Decode: {results['decode_tok_per_s']:.2f}tok/s, "
           f"mean decode batch: {results['mean_decode_batch']:.1f}")
     print(f"Preemptions: {results['num_preemptions']}, prefix-cache hit rate: {results['prefix_cache_hit_rate']:.1%}, "
           f"peak RSS: {results['peak_rss_gib']:.2f}GiB")
+    if args.speculative_config:
+        print(f"Speculative decoding: {results['spec_decode_num_accepted_tokens']} of "
+              f"{results['spec_decode_num_draft_tokens']} draft tokens accepted, mean accepted length "
+              f"{results['mean_accepted_length']:.2f}")
     if args.num_seqs == 1:
         print(f"Single request: TTFT: {results['ttft_ms']:.1f}ms, TPOT: {results['tpot_ms']:.2f}ms "
               f"({1e3 / results['tpot_ms']:.1f}tok/s)")
@@ -284,7 +342,7 @@ def main():
         free = [replace(p, structured_outputs=None, max_tokens=len(o["token_ids"])) for p, o in zip(params, outputs)]
         start = time.perf_counter()
         llm.generate(prompts, free, use_tqdm=False)
-        free_throughput = total / (time.perf_counter() - start)
+        free_throughput = sum(p.max_tokens for p in free) / (time.perf_counter() - start)
         closed = [o for o in outputs if o["finish_reason"] == "stop"]
         results.update(unconstrained_throughput_tok_per_s=free_throughput, num_json_closed=len(closed),
                        num_json_parsed=sum(parses(o["text"]) for o in closed),

@@ -3,8 +3,10 @@
 ``python example.py --trace`` instead runs a small scene step by step and prints what the
 scheduler decided and what the model runner built at each step (nanoengine/trace.py; read it
 beside docs/walkthrough.md): a preemption and prefix-cache hits; with ``--chunked``, chunked
-prefill's mixed steps; with ``--fork``, a request's two samples sharing blocks (copy on write). ``--model DIR --load-format dummy`` runs a model from its config.json
-alone, with random weights and token-id prompts: a check of a GPU that has nothing to download.
+prefill's mixed steps; with ``--fork``, a request's two samples sharing blocks (copy on write);
+with ``--speculative``, n-gram drafts verified in one step and the rejected ones taken back.
+``--model DIR --load-format dummy`` runs a model from its config.json alone, with random weights
+and token-id prompts: a check of a GPU that has nothing to download.
 """
 
 import argparse
@@ -31,6 +33,8 @@ def main():
                        help="with --trace: chunked prefill, prompts in chunks beside running decodes")
     scene.add_argument("--fork", action="store_const", dest="scene", const="fork",
                        help="with --trace: a request with n=2, its samples sharing blocks, copy on write")
+    scene.add_argument("--speculative", action="store_const", dest="scene", const="speculative",
+                       help="with --trace: n-gram speculative decoding, drafts verified and taken back")
     parser.add_argument("--model", help="an HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights, for a model directory that holds only its config.json")

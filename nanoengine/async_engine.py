@@ -43,7 +43,7 @@ class RequestOutput:
     """What one step gave one sample of a request."""
 
     index: int  # which of the request's n samples
-    token_ids: list[int]  # the tokens sampled since the sample's last output (one per step)
+    token_ids: list[int]  # the tokens sampled since the sample's last output (a step's: one, or more with drafts)
     text: str  # the text they made final; a stop string and what follows it never appear
     logprobs: list[dict[int, float]] | None  # per token, {token_id: logprob}, if the request asked
     finish_reason: str | None  # None while the sample runs; "stop" (EOS, stop string or id) or "length"
@@ -254,11 +254,12 @@ class AsyncLLMEngine:
             self._num_steps += 1
             for seq in seqs:
                 if (stream := self._streams.get(seq.request_id)) is not None:
-                    logprobs = None if seq.logprobs is None else seq.logprobs[-1:]
+                    new = seq.num_new_tokens  # 1, or more where speculative drafts were accepted
+                    logprobs = None if seq.logprobs is None else seq.logprobs[-new:]
                     index = stream.prompt_index[seq.request_id] * seq.sampling_params.n + seq.sample_index
-                    first = seq.num_completion_tokens == 1
-                    self._deliver(stream, RequestOutput(index, [seq.token_ids[-1]], seq.detokenizer.last_delta, logprobs,
-                                                        seq.finish_reason, self._num_steps,
+                    first = seq.num_completion_tokens == new
+                    self._deliver(stream, RequestOutput(index, seq.token_ids[-new:], seq.detokenizer.last_deltas(new),
+                                                        logprobs, seq.finish_reason, self._num_steps,
                                                         seq.prompt_logprobs if first else None))
             for request_id in {seq.request_id for seq in seqs if all(s.is_finished for s in seq.group)}:
                 self._streams.pop(request_id, None)

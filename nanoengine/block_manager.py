@@ -146,27 +146,44 @@ class BlockManager:
             self.blocks[block_id].ref_count += 1
         return child
 
-    # -- decode -------------------------------------------------------------------------------
+    # -- decode (and speculative lookahead) ---------------------------------------------------
 
-    def _needs_block(self, seq: Sequence) -> bool:
-        """The newest token starts a new block, or lands in one a forked sibling still holds."""
-        return len(seq.block_table) < seq.num_blocks or self.blocks[seq.block_table[-1]].ref_count > 1
+    def _num_new_blocks(self, seq: Sequence, num_lookahead_slots: int) -> int:
+        """Blocks the next step needs: for the newest token's slot and ``num_lookahead_slots`` after
+        it (speculative drafts), plus a copy of the last block if the newest token lands in a block
+        a forked sibling still holds."""
+        needed = -(-(seq.num_tokens + num_lookahead_slots) // self.block_size) - len(seq.block_table)
+        writes_shared = len(seq.block_table) == seq.num_blocks and self.blocks[seq.block_table[-1]].ref_count > 1
+        return needed + writes_shared
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the slot for the sequence's newest token can be found or made."""
-        return not self._needs_block(seq) or self.num_free_blocks > 0
+    def can_append(self, seq: Sequence, num_lookahead_slots: int = 0) -> bool:
+        """Whether the slots for the sequence's newest token (and the lookahead) can be found or made."""
+        return self._num_new_blocks(seq, num_lookahead_slots) <= self.num_free_blocks
 
-    def may_append(self, seq: Sequence) -> tuple[int, int] | None:
-        """Before a decode step, give the newest token a slot of its own: a new block exactly at a
-        boundary; a copy of a shared last block, returned as ``(source, destination)`` to copy."""
-        if len(seq.block_table) < seq.num_blocks:
-            seq.block_table.append(self._take_free_block().block_id)
-        elif self.blocks[seq.block_table[-1]].ref_count > 1:
-            shared, copy = self.blocks[seq.block_table[-1]], self._take_free_block()
+    def may_append(self, seq: Sequence, num_lookahead_slots: int = 0) -> tuple[int, int] | None:
+        """Before a decode step, give the newest token (and ``num_lookahead_slots`` drafts after it)
+        slots of its own: new blocks past a boundary; a copy of a shared last block, returned as
+        ``(source, destination)`` to copy."""
+        copy = None
+        if len(seq.block_table) == seq.num_blocks and self.blocks[seq.block_table[-1]].ref_count > 1:
+            shared, block = self.blocks[seq.block_table[-1]], self._take_free_block()
             shared.ref_count -= 1
-            seq.block_table[-1] = copy.block_id
-            return shared.block_id, copy.block_id
-        return None
+            seq.block_table[-1] = block.block_id
+            copy = shared.block_id, block.block_id
+        while len(seq.block_table) * self.block_size < seq.num_tokens + num_lookahead_slots:
+            seq.block_table.append(self._take_free_block().block_id)
+        return copy
+
+    def free_lookahead_blocks(self, seq: Sequence) -> None:
+        """After a speculative step: the blocks past the sequence's tokens held only rejected drafts.
+        They were never registered, so nothing in them is worth keeping: they go to the front of
+        the free pool, the first handed out again."""
+        while len(seq.block_table) > seq.num_blocks:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.hash == -1
+            block.ref_count = 0
+            self.free_block_ids[block.block_id] = None
+            self.free_block_ids.move_to_end(block.block_id, last=False)
 
     # -- after a step --------------------------------------------------------------------------
 

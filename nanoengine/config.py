@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from nanoengine.spec_decode import SpeculativeConfig
+
 ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
 
 
@@ -85,6 +87,9 @@ class Config:
     max_logprobs: int = 20
     max_stop_strings: int = 32
     max_stop_string_length: int = 256
+    # Drafts checked by the target model several tokens a step (spec_decode.py), as vLLM's dict:
+    # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}. None: one token a step.
+    speculative_config: SpeculativeConfig | dict | None = None
     # Set by resolve_limits: whether max_model_len was left to default (it may then shrink to fit the cache).
     max_model_len_is_default: bool = field(default=False, init=False, repr=False)
 
@@ -134,6 +139,8 @@ class Config:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         self._check_attention_backend()
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 
     def _check_attention_backend(self) -> None:
         """A backend that cannot run here is refused now, with what would make it run."""

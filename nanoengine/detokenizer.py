@@ -2,7 +2,7 @@
 
 Every sequence carries one (the engine makes it): ``Scheduler.postprocess`` feeds it each new
 token, and a stop string found in the text finishes the sequence, the same way offline and in
-the server, which streams each step's ``last_delta``. Re-decoding the whole completion for every
+the server, which streams what each step's tokens added (``last_deltas``). Re-decoding the whole completion for every
 token would cost time that grows with the completion (quadratic in all); here each token costs
 the same however long the text already is.
 """
@@ -42,10 +42,10 @@ class Detokenizer:
     def text(self) -> str:
         return "".join(self.sent) + self.held
 
-    @property
-    def last_delta(self) -> str:
-        """What the latest ``add`` returned: the text that step's tokens made final."""
-        return self.sent[-1] if self.sent else ""
+    def last_deltas(self, num_adds: int) -> str:
+        """What the latest ``num_adds`` calls of ``add`` returned: the text a step's tokens made final
+        (one add per token; a step appends more than one with speculative drafts)."""
+        return "".join(self.sent[len(self.sent) - num_adds:])
 
     def fork(self) -> "Detokenizer":
         """A detokenizer for a sequence forked from this one before its first token."""

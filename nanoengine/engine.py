@@ -24,6 +24,7 @@ from jinja2 import TemplateError
 from nanoengine.block_manager import BlockManager
 from nanoengine.config import Config
 from nanoengine.detokenizer import Detokenizer
+from nanoengine.draft_model import build_proposer
 from nanoengine.loader import (checkpoint_directory, load_eos_token_ids, load_hf_config, load_tokenizer,
                                resolve_model_path)
 from nanoengine.model_runner import ModelRunner
@@ -85,6 +86,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, eos_token_ids, config.enable_chunked_prefill)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids)
+        self.proposer = build_proposer(config, hf_config, self.model_runner.num_kvcache_blocks)
         self.requests: dict[int, Sequence] = {}  # request id -> its first sequence
         # Cumulative; "<phase>_tokens" counts the tokens the model computed in that phase.
         self.counters = dict.fromkeys(["prompt_tokens", "generated_tokens", "prefill_steps", "prefill_tokens",
@@ -210,14 +212,17 @@ class LLMEngine:
             return []
         with interrupts_deferred():
             seqs, blocks_to_copy = self.scheduler.schedule()
-        # A step that computes any prompt token is a prefill step (with chunked prefill, decodes too).
-        phase = "decode" if all(seq.is_decode for seq in seqs) else "prefill"
+        # A step that computes any prompt token is a prefill step (with chunked prefill, decodes too);
+        # one that verifies speculative drafts, and nothing of a prompt, is a decode step.
+        phase = "decode" if all(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in seqs) else "prefill"
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        start = time.perf_counter()
+        start, generated = time.perf_counter(), self.scheduler.num_generated_tokens
         try:
             out = self.model_runner.run(seqs, blocks_to_copy)
             with interrupts_deferred():
                 stepped = self.scheduler.postprocess(seqs, out.token_ids, out.logprobs, out.prompt_logprobs)
+            if self.proposer is not None:
+                self._propose(stepped)
         except BaseException:
             with interrupts_deferred():
                 for seq in seqs:
@@ -226,11 +231,26 @@ class LLMEngine:
         self.counters[f"{phase}_steps"] += 1
         self.counters[f"{phase}_tokens"] += num_tokens
         self.counters[f"{phase}_seconds"] += time.perf_counter() - start
-        self.counters["generated_tokens"] += len(stepped)
+        self.counters["generated_tokens"] += self.scheduler.num_generated_tokens - generated
         for seq in stepped:
             if all(sample.is_finished for sample in seq.group):
                 self.requests.pop(seq.request_id, None)
         return stepped
+
+    def _propose(self, seqs: list[Sequence]) -> None:
+        """Drafts for the sequences that just got their tokens, for the next step to verify: at most
+        ``num_speculative_tokens``, and none past ``max_tokens`` or ``max_model_len`` (the token after
+        the drafts comes free). None for a grammar's sequence (its mask would have to follow each
+        draft), and none at all once ``disable_by_batch_size`` sequences run."""
+        spec, running = self.config.speculative_config, self.scheduler.running
+        seqs = [seq for seq in seqs if not seq.is_finished and seq.grammar is None]
+        if spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size:
+            seqs = []  # still called: a proposer may let go of finished sequences' state
+        max_drafts = [max(0, min(spec.num_speculative_tokens,
+                                 seq.sampling_params.max_tokens - seq.num_completion_tokens - 1,
+                                 self.config.max_model_len - seq.num_tokens - 1)) for seq in seqs]
+        for seq, drafts in zip(seqs, self.proposer.propose(seqs, max_drafts)):
+            seq.spec_token_ids = drafts
 
     @property
     def failure(self) -> str | None:
@@ -249,5 +269,6 @@ class LLMEngine:
             "kvcache_blocks_in_use": self.block_manager.num_used_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_tokens": self.scheduler.prefix_cache_hit_tokens,
+            **{f"spec_decode_{name}": count for name, count in self.scheduler.spec_decode_counts.items()},
             **self.counters,
         }

@@ -22,12 +22,12 @@ from nanoengine.cpu_runtime import keep_freed_memory_for_reuse, use_cpu_kernels,
 from nanoengine.graph_runner import DecodeGraphRunner
 from nanoengine.linear import quantize_linears
 from nanoengine.loader import load_dummy_weights, load_weights
-from nanoengine.logits_processors import build_logits_processors
 from nanoengine.model import build_model
 from nanoengine.parallel import TensorParallelGroup
+from nanoengine.rejection_sampler import RejectionSampler
 from nanoengine.sampler import LogitRows, Sampler, SamplerOutput, compute_logprobs
+from nanoengine.sampling_metadata import SamplingMetadata
 from nanoengine.sequence import Sequence
-from nanoengine.structured_output import allowed_tokens
 
 CPU_KVCACHE_BYTES = 1 << 30  # the RAM budget for the KV cache on CPU
 
@@ -50,6 +50,7 @@ class ModelRunner:
         if self.device.type == "cpu" and not config.learner_mode:
             use_cpu_kernels(self.model, self.dtype)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = get_backend(config.attention_kernels, self.device, config.learner_mode)
         for layer in self.attention_layers:
@@ -65,9 +66,10 @@ class ModelRunner:
         self.graph_runner = None
         cpu_graphs = tp is None and config.attention_kernels == "cpu"
         if not (config.enforce_eager or config.learner_mode) and (self.device.type == "cuda" or cpu_graphs):
+            spec = config.speculative_config
             self.graph_runner = DecodeGraphRunner(
                 self.model, config.max_num_seqs, -(-config.max_model_len // self.block_size), hf_config.hidden_size,
-                self.device, self.dtype, use_graphs=True)
+                self.device, self.dtype, use_graphs=True, max_query_len=1 + (spec.num_speculative_tokens if spec else 0))
 
     def _kvcache_block_bytes(self) -> int:
         a = self.attention_layers[0]
@@ -143,17 +145,18 @@ class ModelRunner:
         input_ids, positions, slots, cu_q, cu_k = [], [], [], [0], [0]
         for seq in seqs:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-            input_ids += seq.token_ids[start:end]
+            input_ids += seq.scheduled_token_ids  # with drafts, past the sequence's own tokens
             positions += range(start, end)
             slots += self._slots(seq, start, end)
             cu_q.append(cu_q[-1] + end - start)
             cu_k.append(cu_k[-1] + end)
         reads_cache = any(seq.num_computed_tokens for seq in seqs)
-        # The rows whose logits are needed: prompt positions that score prompt logprobs, then the sample.
+        # The rows whose logits are needed: prompt positions that score prompt logprobs, then the
+        # sample's (the newest token's, and each draft's after it).
         logits_indices = []
         for seq, first, end in zip(seqs, cu_q, cu_q[1:]):
             logits_indices += [first + p - seq.num_computed_tokens for p in seq.prompt_logprob_positions]
-            logits_indices += [end - 1] if seq.samples else []
+            logits_indices += range(end - 1 - len(seq.spec_token_ids), end) if seq.samples else []
         ctx = Context(
             is_prefill=True, slot_mapping=self._tensor(slots, torch.int64),
             cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32),
@@ -187,7 +190,8 @@ class ModelRunner:
             ctx.blocks_to_copy = self._tensor(blocks_to_copy, torch.int64)
         logits = self.compute_logits(input_ids, positions, ctx)
         rows = LogitRows.of([len(seq.prompt_logprob_positions) if seq.needs_prompt_logprobs else None for seq in seqs],
-                            [len(seq.sample_indices) if seq.samples else 0 for seq in seqs])
+                            [len(seq.sample_indices) if seq.samples else 0 for seq in seqs],
+                            [len(seq.spec_token_ids) for seq in seqs])
         prompt_logprobs = None
         if any(seq.needs_prompt_logprobs for seq in seqs):  # each scores the prompt token after its position
             prompt_logprobs = [None if span is None else compute_logprobs(
@@ -200,22 +204,16 @@ class ModelRunner:
                              None if sampled.logprobs is None else rows.per_output(sampled.logprobs), prompt_logprobs)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """A token per sample row of ``logits`` (``LogitRows.sample_logits``): each sequence's
-        ``sample_indices`` in turn."""
-        samples = [(seq, index) for seq in seqs for index in seq.sample_indices]
-        params = [seq.sampling_params for seq, _ in samples]
-        # At a request's first sample its n rows share the (empty) completion.
-        processors = build_logits_processors(
-            [(p, seq.token_ids, seq.num_prompt_tokens, seq.output_token_counts) for p, (seq, _) in zip(params, samples)],
-            self.eos_token_ids, logits.device, allowed_tokens([seq.grammar for seq, _ in samples], logits.shape[-1],
-                                                              logits.device))
-        token_ids = self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],
-                                 [p.top_p for p in params], [p.sample_seed(i) for p, (_, i) in zip(params, samples)],
-                                 [seq.num_tokens for seq, _ in samples], [p.min_p for p in params], processors)
-        logprobs = None
-        if any(p.logprobs is not None for p in params):
-            logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        """Each sample's new tokens from its rows of ``logits`` (``LogitRows.sample_logits``): a token
+        from its one row, or, for a sequence with speculative drafts, the rejection sampler's verdict
+        over its ``1 + drafts`` rows."""
+        meta = SamplingMetadata.of(seqs, self.eos_token_ids, logits.shape[-1], logits.device)
+        if meta.has_drafts:
+            token_ids, chosen = self.rejection_sampler(logits, meta.draft_token_ids, *meta.sampler_args)
+        else:
+            chosen = self.sampler(logits, *meta.sampler_args)
+            token_ids = [[t] for t in chosen.tolist()]
+        return SamplerOutput(token_ids, meta.emitted_logprobs(logits, chosen, token_ids))
 
     def compute_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
         """Rank 0's forward. With tensor parallelism it first sends the step's inputs to the other
@@ -234,10 +232,11 @@ class ModelRunner:
             # out as a later copy's destination.
             for src, dst in ctx.blocks_to_copy.tolist():
                 self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        if ctx.is_prefill or self.graph_runner is None:
-            hidden = self.model(input_ids, positions, ctx)
+        if self.graph_runner is not None and self.graph_runner.can_run(ctx, len(input_ids)):
+            hidden = self.graph_runner.run(input_ids, positions, ctx)  # a decode step, or a small verify step
         else:
-            hidden = self.graph_runner.run(input_ids, positions, ctx)
+            hidden = self.model(input_ids, positions, ctx)
         if ctx.is_prefill:
             hidden = hidden[ctx.logits_indices]
         return self.model.compute_logits(hidden)
+

@@ -33,10 +33,11 @@ def _below(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class SamplerOutput:
-    """A step's samples: a row per sample (each sequence's ``sample_indices`` in turn)."""
+    """A step's samples: a row per sample (each sequence's ``sample_indices`` in turn), holding its
+    new tokens: one, or with speculative drafts the accepted ones and the one after."""
 
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None] | None = None  # per row; None when no row asked
+    token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float]] | None] | None = None  # per row, per token; None when no row asked
     # Per sequence: its prompt tokens' logprobs from this step's positions; None when none asked.
     prompt_logprobs: list[list[dict[int, float]] | None] | None = None
 
@@ -47,48 +48,51 @@ class LogitRows:
     in the output, which has a row per sample and a None row per sequence that samples nothing.
 
     The model returns, per sequence in order, a row for each prompt position that scores prompt
-    logprobs, then one for its next token if the step reaches its end (``seq.samples``). A
-    sequence's first sample draws all ``n`` of its request's samples from that one row. Worked
+    logprobs, then, if the step reaches its end (``seq.samples``), one for its next token and one
+    more per speculative draft it brought (the drafts' positions are after the newest token's). A
+    sequence's first sample draws all ``n`` of its request's samples from its one row. Worked
     example: A is a prompt chunk with more to come, scoring prompt logprobs at its positions 0..3;
-    B is a prompt reaching its end, with ``n=2``; C decodes. Then
+    B is a prompt reaching its end, with ``n=2``; C decodes with 2 drafts. Then
 
-        logits rows:   0 1 2 3 (A's prompt logprobs)   4 (B)   5 (C)
-        prompt_logprobs = [range(0, 4), None, None]    sample_rows = [4, 5]    repeats = [2, 1]
-        sampled rows:  B's sample 0, B's sample 1, C    (rows 4, 4, 5)
-        output:        [None, 0, 1, 2]    (A samples nothing; B's two rows; C's)
+        logits rows:   0 1 2 3 (A's prompt logprobs)   4 (B)   5 6 7 (C)
+        prompt_logprobs = [range(0, 4), None, None]    sample_rows = [range(4, 5), range(5, 8)]
+        repeats = [2, 1]
+        sampled rows:  B's sample 0, B's sample 1, C    (rows 4, 4, 5 6 7)
+        output:        [None, 0, 1, 2]    (A samples nothing; B's two samples; C's)
     """
     prompt_logprobs: list[range | None]  # per sequence: its prompt-logprob rows of the logits
-    sample_rows: list[int]  # the logits row of each sequence that samples
-    repeats: list[int]  # how many samples each of those draws from its row
-    output: list[int | None]  # per output row: its sampled row, or None
+    sample_rows: list[range]  # the logits rows of each sequence that samples
+    repeats: list[int]  # how many samples each of those draws from its rows
+    output: list[int | None]  # per output row: its sample, or None
 
     @classmethod
-    def of(cls, prompt_logprob_rows: list[int | None], samples: list[int]) -> "LogitRows":
-        """From each sequence's number of prompt-logprob rows (None: not asked) and of samples it
-        draws this step (0: none; ``n`` at a request's first sample)."""
+    def of(cls, prompt_logprob_rows: list[int | None], samples: list[int],
+           drafts: list[int] | None = None) -> "LogitRows":
+        """From each sequence's number of prompt-logprob rows (None: not asked), of samples it
+        draws this step (0: none; ``n`` at a request's first sample) and of drafts it verifies."""
         rows, row, drawn = cls([], [], [], []), 0, 0
-        for num_prompt_rows, num_samples in zip(prompt_logprob_rows, samples):
+        for num_prompt_rows, num_samples, num_drafts in zip(prompt_logprob_rows, samples, drafts or [0] * len(samples)):
             rows.prompt_logprobs.append(None if num_prompt_rows is None else range(row, row + num_prompt_rows))
             row += num_prompt_rows or 0
             if not num_samples:
                 rows.output.append(None)
                 continue
-            rows.sample_rows.append(row)
+            rows.sample_rows.append(range(row, row + 1 + num_drafts))
             rows.repeats.append(num_samples)
             rows.output += range(drawn, drawn + num_samples)
-            row, drawn = row + 1, drawn + num_samples
+            row, drawn = row + 1 + num_drafts, drawn + num_samples
         return rows
 
     def sample_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """A row of logits per sample (a copy only where rows are skipped or repeated)."""
-        if self.sample_rows != list(range(len(logits))):
-            logits = logits[self.sample_rows]
-        if any(r > 1 for r in self.repeats):
-            logits = logits.repeat_interleave(torch.tensor(self.repeats, device=logits.device), dim=0)
-        return logits
+        """The rows of logits each sample is drawn from, in order (a copy only where rows are skipped
+        or repeated)."""
+        index = [r for rows, n in zip(self.sample_rows, self.repeats) for _ in range(n) for r in rows]
+        if index == list(range(len(logits))):
+            return logits
+        return logits[torch.tensor(index, device=logits.device)]
 
     def per_output(self, sampled: list) -> list:
-        """The sampled rows' values as output rows (None where a sequence sampled nothing)."""
+        """The samples' values as output rows (None where a sequence sampled nothing)."""
         if self.output == list(range(len(sampled))):
             return sampled
         return [None if i is None else sampled[i] for i in self.output]
@@ -121,24 +125,38 @@ class Sampler:
         logits = apply_logits_processors(logits, processors)
         if all(t == 0 for t in temperatures):
             return logits.argmax(dim=-1)
-        device = logits.device
-        temps = torch.tensor(temperatures, device=device)
         greedy = logits.argmax(dim=-1) if any(t == 0 for t in temperatures) else None
+        probs = self.probs(logits, temperatures, top_ks, top_ps, min_ps)
+        sampled = self.inverse_cdf(probs, self.uniform(seeds, positions, probs.device))
+        temps = torch.tensor(temperatures, device=logits.device)
+        return sampled if greedy is None else torch.where(temps == 0, greedy, sampled)
+
+    def probs(self, logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
+              min_ps: list[float] | None = None) -> torch.Tensor:
+        """The distribution each row samples from: its processed logits scaled by its temperature,
+        cut to its min-p, top-k and top-p. (A greedy row's is meaningless: it takes the argmax.)"""
+        temps = torch.tensor(temperatures, device=logits.device)
         logits = logits / temps.clamp_min(1e-6)[:, None]
         if min_ps is not None and any(p > 0 for p in min_ps):
             logits = self._min_p(logits, min_ps)
         if any(k != -1 for k in top_ks) or any(p < 1 for p in top_ps):
             logits = self._top_k_top_p(logits, top_ks, top_ps)
+        return logits.softmax(dim=-1)
+
+    @staticmethod
+    def uniform(seeds: list[int | None], positions: list[int], device: torch.device, draw: int = 0) -> torch.Tensor:
+        """One uniform number per row; a seeded row's comes from a generator keyed by its seed, the
+        position of the token it decides and which ``draw`` this is at that position."""
         uniform = torch.rand(len(seeds))
         for row, seed in enumerate(seeds):
             if seed is not None:
-                gen = torch.Generator().manual_seed(hash((seed, positions[row])) & 0x7FFF_FFFF_FFFF_FFFF)
+                key = (seed, positions[row]) if draw == 0 else (seed, positions[row], draw)
+                gen = torch.Generator().manual_seed(hash(key) & 0x7FFF_FFFF_FFFF_FFFF)
                 uniform[row] = torch.rand(1, generator=gen)
-        sampled = self._inverse_cdf(logits.softmax(dim=-1), uniform.to(device))
-        return sampled if greedy is None else torch.where(temps == 0, greedy, sampled)
+        return uniform.to(device)
 
     @staticmethod
-    def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         """Token i of each row such that cdf[i-1] <= u * total < cdf[i], found in two levels.
 
         One cumsum over the whole vocabulary is a serial chain of additions per row: 2.2 ms at

@@ -52,6 +52,10 @@ class Scheduler:
         self.running: deque[Sequence] = deque()  # in order of admission: the tail is the newest
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
+        self.num_generated_tokens = 0  # appended to completions (tokens past a stop are not)
+        # Speculative decoding's tally (vLLM's names): sequences that brought drafts to a step,
+        # the drafts, and how many of them the target accepted.
+        self.spec_decode_counts = dict.fromkeys(["num_drafts", "num_draft_tokens", "num_accepted_tokens"], 0)
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -87,12 +91,22 @@ class Scheduler:
                 if seq.status != SequenceStatus.RUNNING:
                     break
             else:
-                if (copy := self.block_manager.may_append(seq)) is not None:
+                num_drafts = self._fit_drafts(seq, budget)
+                if (copy := self.block_manager.may_append(seq, num_drafts)) is not None:
                     blocks_to_copy.append(copy)
-                seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget) + num_drafts
                 budget -= seq.num_scheduled_tokens
                 scheduled.append(seq)
         return scheduled
+
+    def _fit_drafts(self, seq: Sequence, budget: int) -> int:
+        """Keep as many of a decoding sequence's drafts as the token budget (after its newest token)
+        and the free blocks allow, and drop the rest. Drafts are optional: they never preempt anyone."""
+        drafts = seq.spec_token_ids[:budget - 1]
+        while drafts and not self.block_manager.can_append(seq, len(drafts)):
+            drafts.pop()
+        seq.spec_token_ids = drafts
+        return len(drafts)
 
     def _schedule_waiting(self, budget: int) -> list[Sequence]:
         """Admit waiting sequences while the token budget and the free blocks allow; without chunked
@@ -114,7 +128,7 @@ class Scheduler:
                 if num_new_tokens > budget or not self.block_manager.can_allocate(seq):
                     break
                 self.block_manager.allocate(seq, num_new_tokens)
-                seq.num_scheduled_tokens = num_new_tokens
+                seq.num_scheduled_tokens, seq.spec_token_ids = num_new_tokens, []  # a prompt verifies no drafts
                 budget -= num_new_tokens
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(self.waiting.popleft())
@@ -136,26 +150,27 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int | None],
-                    logprobs: list[dict[int, float] | None] | None = None,
+    def postprocess(self, seqs: list[Sequence], token_ids: list[list[int] | None],
+                    logprobs: list[list[dict[int, float]] | None] | None = None,
                     prompt_logprobs: list[list[dict[int, float]] | None] | None = None) -> list[Sequence]:
         """Record each sequence's computed tokens, append the new tokens of those that sampled and
-        retire the sequences that are done; returns the sequences that got a token (the step's,
+        retire the sequences that are done; returns the sequences that got tokens (the step's,
         then the children it forked).
 
         ``token_ids`` (and ``logprobs``) hold a row per sample, ``seq.sample_indices`` of each
         sequence that samples (``seq.samples``: a request's first sample brings ``n`` rows and forks
-        ``n - 1`` children), and one None row for a prompt chunk with more to come.
+        ``n - 1`` children), and one None row for a prompt chunk with more to come. A row is the
+        sample's new tokens: one, or with speculative drafts the accepted ones and the token after.
         """
         stepped, children, row = [], [], 0
         for i, seq in enumerate(seqs):
             start, samples = seq.num_computed_tokens, seq.samples
             seq.num_computed_tokens += seq.num_scheduled_tokens
-            self.block_manager.cache_full_blocks(seq)  # the step wrote its K/V: keep or add cache entries
             if prompt_logprobs is not None and prompt_logprobs[i] is not None:
                 # Entry p is token p's; a prompt recomputed after a preemption overwrites its own.
                 seq.prompt_logprobs = (seq.prompt_logprobs or [None])[:start + 1] + prompt_logprobs[i]
             if not samples:
+                self.block_manager.cache_full_blocks(seq)  # the step wrote its K/V: keep or add cache entries
                 row += 1
                 continue
             forked = [self.block_manager.fork(seq, index) for index in seq.sample_indices[1:]]
@@ -167,9 +182,31 @@ class Scheduler:
                 row += 1
         return stepped + children
 
-    def _append(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None) -> None:
-        """Append one sampled token and finish the sequence if a stop condition is met."""
+    def _append(self, seq: Sequence, token_ids: list[int], logprobs: list[dict[int, float]] | None) -> None:
+        """Append a sample's new tokens, one at a time until a stop condition is met (the rest, if a
+        stop lands inside an accepted run of drafts, are dropped), then take back the positions of
+        rejected drafts: the K/V of every token but the newest is in the cache, and what the step
+        wrote past that is never read (attention stops at the sequence's length) and is overwritten
+        when those positions are computed again; blocks holding only such slots are freed."""
+        if num_drafts := len(seq.spec_token_ids):
+            self.spec_decode_counts["num_drafts"] += 1
+            self.spec_decode_counts["num_draft_tokens"] += num_drafts
+            self.spec_decode_counts["num_accepted_tokens"] += len(token_ids) - 1
+            seq.spec_token_ids = []
+        for i, token_id in enumerate(token_ids):
+            seq.num_new_tokens = i + 1
+            if (reason := self._append_token(seq, token_id, None if logprobs is None else logprobs[i])) is not None:
+                break
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.block_manager.cache_full_blocks(seq)  # only accepted tokens' blocks: they are all that count
+        self.block_manager.free_lookahead_blocks(seq)
+        if reason is not None:
+            self.finish(seq, reason)
+
+    def _append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None) -> str | None:
+        """Append one sampled token; returns why the sequence is done, or None."""
         seq.append_token(token_id, logprobs)
+        self.num_generated_tokens += 1
         params, reason = seq.sampling_params, None
         if seq.grammar is not None:  # the sampler allowed only this grammar's tokens
             accepted = seq.grammar.consume_token(token_id)
@@ -184,8 +221,7 @@ class Scheduler:
             seq.detokenizer.add([token_id], finished=reason is not None)
             if seq.detokenizer.stopped:  # the text now holds a stop string, and is cut before it
                 reason = "stop"
-        if reason is not None:
-            self.finish(seq, reason)
+        return reason
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (done, or aborted by its caller) and free its blocks at once."""

@@ -42,6 +42,11 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_scheduled_tokens = 0
         self.block_table: list[int] = []
+        # Speculative decoding's guesses at the tokens after ``token_ids`` (spec_decode.py): the
+        # scheduler gives them lookahead slots and the next step computes them after the newest
+        # token; the accepted ones are appended, and the list is emptied whenever a token lands.
+        self.spec_token_ids: list[int] = []
+        self.num_new_tokens = 0  # appended by the sequence's latest step: 1, or more with drafts accepted
         self.finish_reason: str | None = None
         self.request_id = self.seq_id  # the first sequence's id names the request
         self.sample_index = 0  # which of the request's n samples this is
@@ -90,6 +95,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    @property
+    def scheduled_token_ids(self) -> list[int]:
+        """The tokens this step computes: ``num_scheduled_tokens`` past the computed ones, running
+        into the drafts when it has any."""
+        start, end = self.num_computed_tokens, self.num_computed_tokens + self.num_scheduled_tokens
+        tokens = self.token_ids[start:end]
+        return tokens + self.spec_token_ids[:end - start - len(tokens)]
+
     def block(self, i: int) -> list[int]:
         """Token ids of logical block ``i``."""
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
@@ -97,8 +110,8 @@ class Sequence:
     @property
     def samples(self) -> bool:
         """Whether this step's tokens reach the sequence's end, so that it samples (a prompt chunk
-        with more to come does not)."""
-        return self.num_computed_tokens + self.num_scheduled_tokens == self.num_tokens
+        with more to come does not); with drafts, past its end."""
+        return self.num_computed_tokens + self.num_scheduled_tokens >= self.num_tokens
 
     @property
     def prompt_logprob_positions(self) -> range:

@@ -303,6 +303,8 @@ ENGINE_OPTIONS = {
     "--tensor-parallel-size": dict(type=int, help="ranks to split the model over (default: 1)"),
     "--attention-backend": dict(choices=["auto", "flash-attn", "triton", "torch"],
                                 help="auto: flash-attn on CUDA where installed, else Triton; C++ kernels on CPU"),
+    "--speculative-config": dict(type=json.loads, metavar="JSON", help="speculative decoding, as LLM's dict: "
+                                 '\'{"method": "ngram", "num_speculative_tokens": 4}\''),
 }
 
 

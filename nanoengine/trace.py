@@ -9,7 +9,8 @@ the sequences admitted, preempted and finished, each sequence's block table and 
 ``cu_seqlens`` or context lengths, the blocks' reference counts, which blocks carry a prefix hash,
 the free list's head, and the tokens sampled, as text; with chunked prefill the step's token
 budget, spent; and the copies on write and the forks of ``n > 1``. ``demo`` plays the scenes of
-``python example.py --trace [--chunked | --fork]`` and docs/walkthrough.md.
+``python example.py --trace [--chunked | --fork | --speculative]`` and docs/walkthrough.md; with
+speculative decoding, each step's drafts, the ones accepted and the slots and blocks taken back.
 
 When each part is read: the header (why, admitted, preempted, budget, copies) right after
 ``schedule``; the table and the block lines as the step's inputs are built, before the forward
@@ -27,14 +28,18 @@ from nanoengine.sequence import Sequence, SequenceStatus
 
 # The scenes' engines: blocks of 8 tokens. "preemption": a cache of 8 blocks, small enough that the
 # third request is preempted; "chunked": a step budget of 24 tokens, so prompts arrive in chunks
-# beside running decodes; "fork": one request with n=2 whose samples share their prompt's blocks.
+# beside running decodes; "fork": one request with n=2 whose samples share their prompt's blocks;
+# "speculative": n-gram drafts of up to 6 tokens, verified a step at a time.
 DEMO_OPTIONS = dict(dtype="float32", device="cpu", kvcache_block_size=8, num_kvcache_blocks=8)
 SCENE_OPTIONS = {"preemption": DEMO_OPTIONS,
                  "chunked": {**DEMO_OPTIONS, "num_kvcache_blocks": 24, "enable_chunked_prefill": True,
                              "max_num_batched_tokens": 24},
-                 "fork": {**DEMO_OPTIONS, "num_kvcache_blocks": 24}}
+                 "fork": {**DEMO_OPTIONS, "num_kvcache_blocks": 24},
+                 "speculative": {**DEMO_OPTIONS, "num_kvcache_blocks": 24, "speculative_config": {
+                     "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 3, "prompt_lookup_min": 2}}}
 DEMO_SYSTEM = "You are a concise assistant. Answer in one sentence."
 DEMO_QUESTIONS = ["What is the capital of France?", "What is the capital of Italy?", "Name a primary color."]
+DEMO_REPEAT = "Repeat this sentence: The old lighthouse keeper climbed the stairs every evening at dusk."
 
 
 def ranges(values: list[int]) -> str:
@@ -73,6 +78,9 @@ class StepObserver:
         why = self._why(scheduler, was_waiting)
         step = self._schedule()
         seqs = step.seqs
+        # What each sequence brought to verify, and the blocks it held for them (lookahead included).
+        self.drafts = {seq.seq_id: (list(seq.spec_token_ids), list(seq.block_table)) for seq in seqs
+                       if seq.spec_token_ids}
         admitted = [seq for seq in seqs if seq in was_waiting]
         self.records.append({
             "step": len(self.records) + 1,
@@ -89,12 +97,20 @@ class StepObserver:
             if scheduler.enable_chunked_prefill:
                 self._budget(seqs, scheduler.max_num_batched_tokens)
             self._copies(seqs, step.blocks_to_copy)
+            for seq in seqs:
+                if seq.spec_token_ids:
+                    newest = seq.num_tokens - 1
+                    self.write(f"         drafts    #{seq.seq_id} brings {len(seq.spec_token_ids)}: positions "
+                               f"{newest + 1}..{newest + len(seq.spec_token_ids)} after its newest token's "
+                               f"{newest}, in lookahead slots of its blocks")
         return step
 
     def _why(self, scheduler, waiting: list[Sequence]) -> str:
         """The rule that decides this step, read before the scheduler applies it."""
         if scheduler.enable_chunked_prefill:
             return "chunked prefill: running sequences first, then waiting prompts fill the token budget"
+        if not waiting and any(seq.spec_token_ids for seq in scheduler.running):
+            return "prefill-first, and nothing is waiting: every running sequence computes its newest token and drafts"
         if not waiting:
             return "prefill-first, and nothing is waiting: every running sequence decodes one token"
         head = waiting[0]
@@ -104,7 +120,8 @@ class StepObserver:
                 f"{self.engine.block_manager.num_free_blocks} free blocks: the running sequences decode")
 
     def _header(self, seqs, why, admitted, preempted) -> None:
-        phase = "decode" if all(seq.is_decode for seq in seqs) else "prefill"
+        phase = ("verify" if any(seq.spec_token_ids for seq in seqs) else
+                 "decode" if all(seq.is_decode for seq in seqs) else "prefill")
         self.write(f"step {len(self.records):<3} {phase:<8} {why}")
         bs = self.engine.block_manager.block_size
         for seq in admitted:
@@ -139,8 +156,12 @@ class StepObserver:
             self._body(seqs)  # before postprocess: the step's own positions and block tables
         stepped = self._postprocess(seqs, token_ids, *args)
         if self.write is not None:
-            words = "  ".join(f"#{seq.seq_id} {self.engine.tokenizer.decode(seq.token_ids[-1:])!r}" for seq in stepped)
+            decode = self.engine.tokenizer.decode
+            words = "  ".join(f"#{seq.seq_id} {decode(seq.token_ids[-seq.num_new_tokens:])!r}" for seq in stepped)
             self.write(f"  sampled   {words or '(nothing: only prompt chunks ran)'}")
+            for seq in seqs:
+                if seq.seq_id in self.drafts:
+                    self._verified(seq, *self.drafts[seq.seq_id])
             for child in stepped[len([seq for seq in seqs if seq in stepped]):]:  # postprocess lists them last
                 refs = " ".join(f"{b}:{self.engine.block_manager.blocks[b].ref_count}" for b in child.block_table)
                 self.write(f"  forked    #{child.seq_id} from #{child.request_id}: shares its blocks by reference "
@@ -151,6 +172,22 @@ class StepObserver:
                                f"{seq.detokenizer.text.strip()!r}; its blocks are freed, their hashes kept")
             self.write("")
         return stepped
+
+    def _verified(self, seq: Sequence, drafts: list[int], table: list[int]) -> None:
+        """Speculative decoding: which drafts the step accepted, and what it took back out of the cache."""
+        decode, bs = self.engine.tokenizer.decode, self.engine.block_manager.block_size
+        accepted = seq.num_new_tokens - 1 if not seq.is_finished else min(seq.num_new_tokens, len(drafts))
+        rejected = drafts[accepted:]
+        self.write(f"  verified  #{seq.seq_id} proposed {decode(drafts)!r} ({len(drafts)} drafts): accepted "
+                   f"{decode(drafts[:accepted])!r}" + (f", then the model's own {decode(seq.token_ids[-1:])!r}"
+                                                      if not seq.is_finished else ""))
+        if rejected:
+            first = seq.num_tokens - 1 if not seq.is_finished else seq.num_tokens
+            slots = [table[p // bs] * bs + p % bs for p in range(first, first + len(rejected))]
+            freed = [b for b in table if b not in seq.block_table] if not seq.is_finished else []
+            self.write(f"  rejected  {decode(rejected)!r}: their K/V in slots {ranges(slots)} are past the sequence's "
+                       f"length, never read, overwritten later" + (f"; blocks {freed}, which held only them, are "
+                                                                  f"freed" if freed else ""))
 
     def _body(self, seqs: list[Sequence]) -> None:
         ctx, bm = self.ctx, self.engine.block_manager
@@ -188,10 +225,14 @@ def demo(llm: LLM, write: Callable[[str], None] = print, max_tokens: int = 24,
       computed in chunks, in steps that also decode the running sequences.
     - "fork": one request with ``n=2`` (sampled, seeded): its two samples share the prompt's blocks,
       and the shared, partly filled last block is copied on write.
+    - "speculative": one request to repeat a sentence, with n-gram drafts: each step computes the
+      newest token and the drafts after it, keeps what the model agrees with, takes back the rest.
     """
     observer = StepObserver(llm, write)
     prompts = [llm.chat_prompt([{"role": "system", "content": DEMO_SYSTEM}, {"role": "user", "content": q}])
                for q in DEMO_QUESTIONS]
+    if scene == "speculative":
+        prompts = [llm.chat_prompt([{"role": "user", "content": DEMO_REPEAT}])]
     if scene == "fork":
         # The third question: 30 tokens, so the prompt ends inside a block, which both samples then write.
         llm.add_request(prompts[2], SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=max_tokens // 3))
@@ -201,7 +242,7 @@ def demo(llm: LLM, write: Callable[[str], None] = print, max_tokens: int = 24,
         llm.add_request(prompt, params)
     steps = 0
     while llm.has_unfinished_requests() or steps < 1:
-        if steps == 1 and prompts:
+        if steps == 1 and len(prompts) > 2:
             llm.add_request(prompts[2], params)
         llm.step()
         steps += 1

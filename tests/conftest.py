@@ -129,3 +129,19 @@ def with_chat_template(model: str, path: str, template: str) -> str:
 def tiny_models(tmp_path_factory, tokenizer) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")
     return {arch: make_tiny_model(os.fspath(root / arch), arch, tokenizer) for arch in TINY_ARCHS}
+
+
+class OracleProposer:
+    """A speculative-decoding proposer for tests: drafts from reference completions, right except at
+    every third position (by absolute position), so runs are accepted, cut short and refused."""
+
+    def __init__(self, prompts: list[list[int]], completions: list[list[int]]):
+        self.full = [p + c for p, c in zip(prompts, completions)]
+
+    def propose(self, seqs, max_drafts):
+        drafts = []
+        for seq, k in zip(seqs, max_drafts):
+            full = next((f for f in self.full if f[:seq.num_tokens] == seq.token_ids), seq.token_ids)
+            guess = full[seq.num_tokens:seq.num_tokens + k]
+            drafts.append([t if (seq.num_tokens + i) % 3 else (t + 1) % 500 for i, t in enumerate(guess)])
+        return drafts

@@ -41,6 +41,23 @@ def test_bench_reports_a_single_requests_ttft_and_tpot(tiny_models, tmp_path):
     assert line and float(line.group(2)) == round(results["tpot_ms"], 2)
 
 
+def test_bench_grounded_workload_with_speculation_reports_the_accepted_length(tiny_models, tmp_path):
+    """--workload grounded (chat prompts asking to repeat passages) with n-gram drafts."""
+    out_json = tmp_path / "bench.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    cmd = [sys.executable, "bench.py", "--model", tiny_models["llama"], "--workload", "grounded", "--num-seqs", "2",
+           "--min-output-len", "1", "--max-output-len", "24", "--device", "cpu", "--speculative-config", spec,
+           "--json", str(out_json)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads(out_json.read_text())
+    assert results["total_tokens"] == 48 and results["spec_decode_num_draft_tokens"] > 0
+    assert results["mean_accepted_length"] == 1 + results["spec_decode_num_accepted_tokens"] / \
+        results["spec_decode_num_drafts"]
+    assert re.search(r"Speculative decoding: \d+ of \d+ draft tokens accepted, mean accepted length [\d.]+",
+                     result.stdout)
+
+
 def test_nano_vllm_preset_is_nano_vllms_bench_exactly():
     """nano-vllm's bench.py: ``seed(0)``, each prompt's length then its ids from ``randint(0, 10000)``,
     then every output length; max_model_len 4096, and its default budget of 16384 tokens a step."""
@@ -84,4 +101,4 @@ def test_bench_structured_output_reports_both_throughputs(tiny_models, tmp_path)
     assert re.fullmatch(r"Total: \d+tok, Time: \d+\.\d{2}s, Throughput: \d+\.\d{2}tok/s", last), last
     refused = subprocess.run([sys.executable, "bench.py", "--structured-output", "json", "--compare-hf"], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and "--compare-hf runs HF without a grammar" in refused.stderr
+    assert refused.returncode == 2 and "not with --compare-hf or --workload grounded" in refused.stderr

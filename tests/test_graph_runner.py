@@ -21,6 +21,7 @@ from nanoengine.graph_runner import CPU_GRAPH_MAX_BATCH, DecodeGraphRunner, deco
 from nanoengine.layers import RMSNorm
 from nanoengine.llm import LLM
 from nanoengine.sampling_params import SamplingParams
+from tests.conftest import OracleProposer
 
 MAX_NUM_SEQS = 24
 BATCH_SIZES = [17, 9, 3, 16, 1, 8]  # on and between buckets; big before small leaves stale rows behind
@@ -86,7 +87,7 @@ def test_runner_matches_eager_decode_and_writes_only_real_rows(tiny_models, arch
     # over more (masked) keys. A leak from a padded row would be off by O(1), not O(1e-6).
     # Each batch's first run records its bucket's graph and the second replays it.
     check_runner_matches_eager(engine, seqs, graph_runner, dict(atol=1e-5, rtol=1.3e-6))
-    assert sorted(graph_runner.graphs) == [1, 4, 8, 16, 24]
+    assert sorted(graph_runner.graphs) == [(1, 1), (4, 1), (8, 1), (16, 1), (24, 1)]
 
 
 def test_cpu_graph_replays_kernels_and_torch_ops_on_new_inputs():
@@ -143,7 +144,7 @@ def test_replayed_kernel_that_refuses_an_index_raises_value_error(tiny_models):
         ctx.block_tables = torch.full_like(block_tables, runner.num_kvcache_blocks)  # one past the cache
         runner.graph_runner.block_tables[0] = runner.num_kvcache_blocks
         with pytest.raises(ReplayError, match="decode_float32 refused its arguments"):
-            runner.graph_runner.graphs[1].replay()
+            runner.graph_runner.graphs[1, 1].replay()
         with pytest.raises(ValueError, match="block_table holds values outside"):
             runner.graph_runner.run(input_ids, positions, ctx)
         ctx.block_tables = block_tables
@@ -157,7 +158,7 @@ def test_cpu_graphs_stop_at_their_batch_size_cap(tiny_models):
     # Decode steps of 40 sequences, then (8 done) of 32.
     params = [SamplingParams(temperature=0, max_tokens=3 if i < 8 else 5, ignore_eos=True) for i in range(len(prompts))]
     LLM.generate(engine, prompts, params, use_tqdm=False)
-    assert sorted(graph_runner.graphs) == [CPU_GRAPH_MAX_BATCH]  # the bucket of 40 decoded eagerly
+    assert sorted(graph_runner.graphs) == [(CPU_GRAPH_MAX_BATCH, 1)]  # the bucket of 40 decoded eagerly
 
 
 @pytest.mark.parametrize("arch,kwargs", [("llama", {}), ("llama", {"quantization": "int4"}),
@@ -281,3 +282,22 @@ def test_two_engines_capturing_cpu_graphs_on_two_threads_each_generate_what_eage
             graphs = engine.model_runner.graph_runner.graphs.values()
             counts = {sum(isinstance(call, KernelCall) for call in graph.calls) for graph in graphs}
             assert len(counts) == 1, counts
+
+
+@pytest.mark.parametrize("arch,kwargs", [("llama", {}), ("llama", {"quantization": "int4"}),
+                                         ("qwen2", {"dtype": "bfloat16"})])
+def test_cpu_graphs_of_verify_steps_give_the_same_tokens_as_eager_verification(tiny_models, arch, kwargs):
+    """Speculative verify steps with the same number of drafts per sequence are recorded and replayed
+    (keyed by batch bucket and tokens per sequence): the tokens are eager verification's."""
+    prompts = [list(range(100, 140)), list(range(300, 317))]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    reference = LLM(tiny_models[arch], max_model_len=128, **kwargs).generate(prompts, greedy, use_tqdm=False)
+    outputs = {}
+    for eager in (False, True):
+        llm = LLM(tiny_models[arch], max_model_len=128, enforce_eager=eager, **kwargs,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        llm.proposer = OracleProposer(prompts, [r["token_ids"] for r in reference])
+        outputs[eager] = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        if not eager:
+            assert any(q > 1 for _, q in llm.model_runner.graph_runner.graphs)
+    assert outputs[False] == outputs[True]

@@ -95,32 +95,32 @@ def test_two_level_inverse_cdf_picks_what_one_cumsum_picks(vocab):
     uniform = torch.rand(64, generator=gen)
     cdf = probs.cumsum(-1)
     expected = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True).squeeze(1)
-    assert torch.equal(Sampler._inverse_cdf(probs, uniform), expected)
+    assert torch.equal(Sampler.inverse_cdf(probs, uniform), expected)
 
 
 def test_inverse_cdf_never_picks_a_token_of_zero_mass_at_the_extremes():
     probs = torch.zeros(4, 600)
     probs[:, 300:310] = 0.1  # mass only in the middle of the second chunk
     largest_below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item()
-    picked = Sampler._inverse_cdf(probs, torch.tensor([0.0, 1e-9, 1 - 1e-7, largest_below_one]))
+    picked = Sampler.inverse_cdf(probs, torch.tensor([0.0, 1e-9, 1 - 1e-7, largest_below_one]))
     assert picked.tolist() == [300, 300, 309, 309]
     # A chunk's sum and the last entry of its cumsum round differently: u near 1 must still land
     # on a token of that chunk with mass, not past it.
     gen = torch.Generator().manual_seed(0)
     probs = torch.rand(256, 256, generator=gen) ** 4
     probs[:, 200:] = 0
-    picked = Sampler._inverse_cdf(probs, torch.full((256,), largest_below_one))
+    picked = Sampler.inverse_cdf(probs, torch.full((256,), largest_below_one))
     assert (picked < 200).all()
 
 
 def test_logit_rows_follow_the_worked_example():
     """LogitRows' docstring: A a prompt chunk scoring prompt logprobs at 4 positions, B's first sample
-    with n=2, C a decode."""
-    rows = LogitRows.of([4, None, None], [0, 2, 1])
+    with n=2, C a decode with 2 speculative drafts."""
+    rows = LogitRows.of([4, None, None], [0, 2, 1], [0, 0, 2])
     assert rows.prompt_logprobs == [range(0, 4), None, None]
-    assert (rows.sample_rows, rows.repeats, rows.output) == ([4, 5], [2, 1], [None, 0, 1, 2])
-    logits = torch.arange(6.0)[:, None].expand(6, 3)
-    assert rows.sample_logits(logits)[:, 0].tolist() == [4.0, 4.0, 5.0]
+    assert (rows.sample_rows, rows.repeats, rows.output) == ([range(4, 5), range(5, 8)], [2, 1], [None, 0, 1, 2])
+    logits = torch.arange(8.0)[:, None].expand(8, 3)
+    assert rows.sample_logits(logits)[:, 0].tolist() == [4.0, 4.0, 5.0, 6.0, 7.0]
     assert rows.per_output(["b0", "b1", "c"]) == [None, "b0", "b1", "c"]
 
 

@@ -59,26 +59,38 @@ class FakeRunner:
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def run(self, seqs: list[Sequence]) -> list[int | None]:
+    def run(self, seqs: list[Sequence]) -> list[list[int] | None]:
+        """Each sequence's new tokens: the model's next token, or with speculative drafts the drafts
+        it agrees with and its own token after them (greedy verification)."""
+        rows = []
         for seq in seqs:  # in batch order: a later sequence may read what an earlier one wrote
-            assert seq.status == SequenceStatus.RUNNING and len(seq.block_table) == seq.num_blocks
+            assert seq.status == SequenceStatus.RUNNING
             first, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-            assert first < end <= seq.num_tokens and first >= seq.num_cached_tokens
+            tokens, drafts = seq.token_ids + seq.spec_token_ids, seq.spec_token_ids
+            assert len(seq.block_table) * self.block_size >= end and len(seq.block_table) >= seq.num_blocks
+            assert first < end <= len(tokens) and first >= seq.num_cached_tokens
             assert seq.num_cached_tokens % self.block_size == 0
             key = 0
-            for pos, token in enumerate(seq.token_ids[:end]):
+            for pos, token in enumerate(tokens[:end]):
                 key = hash((key, token))
                 slot = self.slot(seq, pos)
                 if pos < first:  # read back from the cache: it must be this very prefix's K/V
                     assert self.kv.get(slot) == (key, token), f"seq {seq.seq_id} reads wrong K/V at {pos}"
                 else:
                     # A prefill may write a block that a later sequence of the same batch already
-                    # shares (it reads after the write); a decode step writes only its own block.
-                    assert not seq.is_decode or self.bm.blocks[seq.block_table[-1]].ref_count == 1
+                    # shares (it reads after the write); a decode step writes only its own blocks.
+                    assert seq.num_computed_tokens < seq.num_prompt_tokens or \
+                        all(self.bm.blocks[b].ref_count == 1 for b in seq.block_table[first // self.block_size:])
                     self.kv[slot] = (key, token)
-            self.inputs.append((seq.seq_id, not seq.is_decode, seq.token_ids[first:end]))
-        return [self.model(seq.token_ids) if seq.num_computed_tokens + seq.num_scheduled_tokens == seq.num_tokens
-                else None for seq in seqs]
+            self.inputs.append((seq.seq_id, not seq.is_decode, tokens[first:end]))
+            if end < seq.num_tokens:  # a prompt chunk with more to come
+                rows.append(None)
+                continue
+            new = [self.model(seq.token_ids)]
+            while len(new) <= len(drafts) and new[-1] == drafts[len(new) - 1]:
+                new.append(self.model(seq.token_ids + drafts[:len(new)]))
+            rows.append(new)
+        return rows
 
 
 def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_seqs: int = 8,
@@ -319,7 +331,8 @@ def workloads(draw):
     # Chunked prefill splits prompts, so its budget may be smaller than one prompt.
     config = dict(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                   max_num_batched_tokens=draw(st.integers(1 if chunked else max_model_len, 2 * max_model_len + 4)),
-                  max_num_seqs=draw(st.integers(1, 5)), caching=draw(st.booleans()), chunked=chunked)
+                  max_num_seqs=draw(st.integers(1, 5)), caching=draw(st.booleans()), chunked=chunked,
+                  speculate=draw(st.sampled_from([0, 1, 3, 6])), wrong_every=draw(st.integers(2, 5)))
     bases = draw(st.lists(st.lists(st.integers(1, VOCAB - 1), max_size=24), min_size=1, max_size=3))
     requests = []
     for _ in range(draw(st.integers(1, 12))):
@@ -333,8 +346,26 @@ def workloads(draw):
     return config, requests
 
 
+def propose_drafts(seqs: list[Sequence], k: int, max_model_len: int, wrong_every: int) -> None:
+    """Speculative drafts for the sequences that just got tokens: the model's own continuation, with
+    every ``wrong_every``-th position guessed wrong. Unlike the engine's proposer they may run past
+    ``max_tokens`` (the scheduler must cut the run there); never past ``max_model_len``."""
+    for seq in seqs:
+        if seq.is_finished:
+            continue
+        tokens = list(seq.token_ids)
+        for j in range(max(0, min(k, max_model_len - seq.num_tokens - 1))):
+            guess = next_token(tokens)
+            tokens.append(guess if len(tokens) % wrong_every else (guess + 1) % VOCAB)
+        seq.spec_token_ids = tokens[seq.num_tokens:]
+
+
 def drive(config: dict, requests: list[Request]) -> Scheduler:
-    """Run a workload to the end, checking the scheduler's contract at every step."""
+    """Run a workload to the end, checking the scheduler's contract at every step. With ``speculate``
+    (a number of drafts) the sequences bring drafts to their steps, and every output must be as
+    without them."""
+    config = dict(config)
+    speculate, wrong_every = config.pop("speculate", 0), config.pop("wrong_every", 2)
     scheduler, runner = make_scheduler(**config)
     bm, max_num_seqs, budget = scheduler.block_manager, config["max_num_seqs"], scheduler.max_num_batched_tokens
     seqs: dict[int, Sequence] = {}
@@ -384,14 +415,19 @@ def drive(config: dict, requests: list[Request]) -> Scheduler:
             preempted = running[len(kept):]
             assert list(scheduler.waiting) == preempted + waiting  # back at the head, oldest first
             assert scheduler.num_preemptions == preemptions_before + len(preempted)
-        scheduler.postprocess(batch, runner.run(batch))
+        stepped = scheduler.postprocess(batch, runner.run(batch))
         for seq in batch:
             assert not seq.is_finished or (seq.block_table == [] and seq not in scheduler.running)
+            assert seq.is_finished or len(seq.block_table) <= seq.num_blocks, "blocks of rejected drafts are freed"
         check_books(scheduler, runner)
+        if speculate:
+            propose_drafts(stepped, speculate, config["max_model_len"], wrong_every)
     else:
         raise AssertionError(f"not finished after {max_steps} steps")
 
     check_all_released(scheduler)
+    counts = scheduler.spec_decode_counts
+    assert counts["num_accepted_tokens"] <= counts["num_draft_tokens"]
     for i, r in enumerate(requests):
         seq = seqs[i]
         completion, reason = expected_completion(r.prompt, r.params, config["max_model_len"])
@@ -420,7 +456,7 @@ def check_chunked_step(scheduler: Scheduler, batch: list[Sequence], admitted: li
     if len(from_running) < len(kept):
         assert computed == budget, "a running sequence was skipped although the budget had room"
     for s in batch:
-        remaining = s.num_tokens - s.num_computed_tokens
+        remaining = s.num_tokens - s.num_computed_tokens + len(s.spec_token_ids)  # drafts too, as they fit
         assert 1 <= s.num_scheduled_tokens <= remaining
         assert s.num_scheduled_tokens == remaining or (s is batch[-1] and computed == budget), \
             "only the step's last sequence is cut short, and only by the budget"
@@ -439,6 +475,32 @@ def test_fixed_workload_exercises_preemption_and_prefix_hits():
     requests = [Request(i % 3, base[:4 + i] + [i], params, None) for i in range(6)]
     scheduler = drive(dict(num_blocks=8, block_size=2, max_model_len=16, max_num_batched_tokens=16,
                            max_num_seqs=4, caching=True), requests)
+    assert scheduler.num_preemptions > 0 and scheduler.prefix_cache_hit_tokens > 0
+
+
+def test_drafts_that_do_not_fit_the_free_blocks_are_cut_and_preempt_nobody():
+    scheduler, runner = make_scheduler(num_blocks=3, block_size=4, max_model_len=12)
+    a, b = add(scheduler, [1, 2, 3, 4, 5]), add(scheduler, [6, 7, 8])  # 2 blocks and 1: the cache is full
+    step(scheduler, runner)
+    assert scheduler.block_manager.num_free_blocks == 0 and (a.num_tokens, b.num_tokens) == (6, 4)
+    a.spec_token_ids = [9, 10, 11]  # positions 6..8: the third needs a block there is none of
+    seqs, _ = scheduler.schedule()
+    assert seqs == [a, b] and scheduler.num_preemptions == 0
+    assert a.spec_token_ids == [9, 10] and a.num_scheduled_tokens == 3 and len(a.block_table) == 2
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_speculative_drafts_give_the_same_tokens_and_their_rejected_slots_are_taken_back(chunked):
+    """The driver with drafts that are right two times in three: each output is as without them, every
+    K/V read is of the right tokens (the fake runner checks), the blocks of rejected drafts are
+    freed after each step, and all of them at the end, through preemptions and prefix hits."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = [3, 1, 4, 1, 5, 9, 2, 6]
+    requests = [Request(i % 3, base[:4 + i] + [i], params, None) for i in range(6)]
+    scheduler = drive(dict(num_blocks=8, block_size=2, max_model_len=16, max_num_batched_tokens=16, max_num_seqs=4,
+                           caching=True, chunked=chunked, speculate=3, wrong_every=3), requests)
+    counts = scheduler.spec_decode_counts
+    assert 0 < counts["num_accepted_tokens"] < counts["num_draft_tokens"]
     assert scheduler.num_preemptions > 0 and scheduler.prefix_cache_hit_tokens > 0
 
 

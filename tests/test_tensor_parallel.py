@@ -26,7 +26,8 @@ from nanoengine.context import Context
 from nanoengine.model import check_tensor_parallel_size, kv_head_shard
 from nanoengine.parallel import COLLECTIVE_TIMEOUT, Shard, TensorParallelGroup
 from nanoengine.sequence import Sequence
-from tests.conftest import TINY_ARCHS, make_tiny_model
+from nanoengine.spec_decode import SpeculativeConfig
+from tests.conftest import TINY_ARCHS, OracleProposer, make_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 # A small cache (12 blocks of 16 tokens) so that the generate test preempts.
@@ -98,6 +99,22 @@ def test_greedy_tokens_match_size_one_with_preemption_and_prefix_hits(engines):
     assert after["num_preemptions"] > before["num_preemptions"]
     assert after["prefix_cache_hit_tokens"] > before["prefix_cache_hit_tokens"]
     assert after["kvcache_blocks_in_use"] == 0
+
+
+def test_speculative_verification_steps_match_size_one(engines):
+    """Drafts (the oracle's: right two times in three) verified by both ranks in one step, and rejected
+    positions taken back: the same greedy tokens as size 1 without drafts."""
+    single, tp = engines
+    prompts = shared_prefix_prompts(single.vocab_size)
+    expected = [out["token_ids"] for out in single.generate(prompts, GREEDY, use_tqdm=False)]
+    tp.config.speculative_config = SpeculativeConfig("ngram", 3)
+    tp.proposer = OracleProposer(prompts, expected)
+    try:
+        got = [out["token_ids"] for out in tp.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        tp.config.speculative_config = tp.proposer = None
+    assert got == expected
+    assert tp.stats()["spec_decode_num_accepted_tokens"] > 0 and tp.stats()["kvcache_blocks_in_use"] == 0
 
 
 def test_chunked_prefill_steps_match_size_one(engines):

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from nanoengine import LLM
-from nanoengine.trace import DEMO_OPTIONS, SCENE_OPTIONS, demo, ranges
+from nanoengine import LLM, SamplingParams
+from nanoengine.trace import DEMO_OPTIONS, DEMO_REPEAT, SCENE_OPTIONS, demo, ranges
+from tests.conftest import OracleProposer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW = re.compile(r"  #(\d+)\s+(\[[\d., ]*\])\s+(\[[\d, ]*\])\s+(\[[\d., ]*\])\s")
@@ -51,7 +52,7 @@ def play(model: str, scene: str, max_tokens: int = 12):
     return llm, observer, "\n".join(lines).split("\nstep "), truth
 
 
-@pytest.mark.parametrize("scene", ["preemption", "chunked", "fork"])
+@pytest.mark.parametrize("scene", ["preemption", "chunked", "fork", "speculative"])
 def test_trace_prints_the_block_tables_slots_and_ref_counts_the_block_manager_holds(tiny_models, scene):
     llm, observer, steps, truth = play(tiny_models["llama"], scene)
     assert len(steps) == len(truth) == len(observer.records)
@@ -103,6 +104,24 @@ def test_fork_scene_shows_shared_blocks_and_the_copy_on_write(tiny_models):
            f"#{child} keeps block {src} (ref count now 1)" in text
     tables = next(t for t, _, c, _ in truth if c)
     assert tables[parent][0][-1] == dst and tables[child][0][-1] == src
+
+
+def test_speculative_scene_shows_the_drafts_accepted_and_the_rejected_ones_taken_back(tiny_models):
+    """With drafts right two times in three: steps verify several positions, print what was accepted,
+    which slots the rejected drafts used, and the blocks that held only them, freed by that step."""
+    llm = LLM(tiny_models["llama"], **SCENE_OPTIONS["speculative"])
+    prompt = llm.chat_prompt([{"role": "user", "content": DEMO_REPEAT}])
+    reference = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    llm.proposer = OracleProposer([prompt], [reference["token_ids"]])
+    lines: list[str] = []
+    demo(llm, lines.append, max_tokens=40, scene="speculative")
+    text = "\n".join(lines)
+    assert re.search(r"step \d+\s+verify", text) and "drafts    #" in text
+    assert re.search(r"verified  #\d+ proposed .* \(6 drafts\): accepted", text)
+    freed = [int(b) for found in re.findall(r"blocks \[([\d, ]+)\], which held only them, are freed", text)
+             for b in found.split(", ")]
+    assert re.search(r"rejected  .*: their K/V in slots \[[\d., ]+\]", text) and freed
+    assert llm.stats()["kvcache_blocks_in_use"] == 0
 
 
 def test_demo_readmits_a_preempted_sequence_with_its_own_blocks_from_the_prefix_cache(tiny_models):

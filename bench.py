@@ -13,7 +13,12 @@ Qwen3-0.6B's), with random weights: throughput does not depend on their values.
 ``--penalties`` gives every request a repetition penalty of 1.1 and presence and frequency penalties
 of 0.5, to measure what the logits processors cost. ``--workload grounded`` asks the model (through
 its chat template) to repeat passages given in the prompt, greedy: the workload speculative decoding
-(``--speculative-config``) is for.
+(``--speculative-config``) is for. ``--structured-output json`` constrains every request to one JSON
+schema (an order record: nested objects, an array of them, an enum, a pattern, required fields),
+each prompt a chat request asking for such a record; the same requests then run unconstrained, each
+for as many tokens as its constrained run made, so that the two throughputs differ by the grammar's
+cost alone, and both are reported (the prefix cache is off, so that the second run does not find
+the first one's prompts cached).
 """
 
 import argparse
@@ -23,11 +28,27 @@ import os
 import random
 import resource
 import time
+from dataclasses import replace
 
 import torch
 
-from nanoengine import LLM, SamplingParams
+from nanoengine import LLM, SamplingParams, StructuredOutputsParams
 from nanoengine.trace import StepObserver
+
+ORDER_SCHEMA = {  # --structured-output json's: nested objects, an array of them, an enum, a pattern, required fields
+    "type": "object", "additionalProperties": False, "required": ["id", "customer", "items", "status"], "properties": {
+        "id": {"type": "integer", "minimum": 1},
+        "customer": {"type": "object", "additionalProperties": False, "required": ["name", "email"], "properties": {
+            "name": {"type": "string", "maxLength": 40}, "city": {"type": "string", "maxLength": 30},
+            "email": {"type": "string", "pattern": "^[a-z0-9.]{1,20}@[a-z0-9]{1,20}\\.[a-z]{2,4}$"}}},
+        "items": {"type": "array", "minItems": 1, "maxItems": 5, "items": {
+            "type": "object", "additionalProperties": False, "required": ["product", "quantity", "unit_price"],
+            "properties": {"product": {"type": "string", "maxLength": 30},
+                           "quantity": {"type": "integer", "minimum": 1, "maximum": 100},
+                           "unit_price": {"type": "number", "minimum": 0}}}},
+        "status": {"enum": ["pending", "paid", "shipped", "delivered", "cancelled"]},
+        "note": {"type": "string", "maxLength": 80}}}
+JSON_PROMPT_TOKENS = 256  # room for --structured-output's prompts (about 100 tokens), whatever --max-input-len says
 
 
 # The input-grounded workload: the model is asked to repeat or edit a passage given in its prompt,
@@ -70,6 +91,33 @@ def make_requests(args, vocab_size: int):
                for _ in range(args.num_seqs)]
     output_lens = [rng.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_seqs)]
     return prompts, output_lens
+
+
+def json_requests(args, llm: LLM):
+    """``--structured-output json``'s prompts: chat requests for an order record as JSON, their
+    details drawn from a seeded generator; output lengths as ``make_requests`` draws them."""
+    rng = random.Random(args.seed)
+    people = ["Ada Park", "Bo Chen", "Carla Diaz", "Dev Patel", "Eun Kim", "Femi Ade"]
+    cities = ["Lyon", "Osaka", "Lima", "Accra", "Quebec"]
+    products = ["desk lamp", "green tea", "hiking boots", "notebook", "USB cable", "rain jacket", "coffee beans"]
+
+    def prompt(i: int) -> list[int]:
+        items = ", ".join(f"{rng.randint(1, 5)} x {rng.choice(products)}" for _ in range(rng.randint(1, 4)))
+        return llm.chat_prompt([{"role": "user", "content": (
+            f"Order {1000 + i} from {rng.choice(people)} in {rng.choice(cities)}: {items}. Write it as a JSON "
+            "object with id, customer (name, email, city), items (product, quantity, unit_price), status and "
+            "a short note.")}])
+    prompts = [prompt(i) for i in range(args.num_seqs)]
+    return prompts, [rng.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_seqs)]
+
+
+def parses(text: str) -> bool:
+    """Whether ``text`` is JSON (a closed constrained output always should be)."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def hf_throughputs(config, prompts, output_lens, dtype: torch.dtype, device: torch.device) -> dict[int, float]:
@@ -203,31 +251,44 @@ def main():
                         help="every request with repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5")
     parser.add_argument("--speculative-config", type=json.loads, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    parser.add_argument("--structured-output", choices=["json"],
+                        help="every request constrained to a JSON schema, its prompt asking for JSON; reported "
+                             "beside the same requests unconstrained")
     args = parser.parse_args()
     resolve_workload(parser, args)
     if args.workload == "grounded" and args.compare_hf:
         parser.error("--compare-hf runs the random workload only (HF's generate would stop at other places)")
+    if args.structured_output:
+        if args.compare_hf or args.workload == "grounded":
+            parser.error("--structured-output brings its own prompts and runs them without a grammar too: "
+                         "not with --compare-hf or --workload grounded")
+        args.max_model_len = JSON_PROMPT_TOKENS + args.max_output_len
     if args.timeline:
         try:
             import matplotlib  # noqa: F401  (checked before the run, not after it)
         except ImportError:
             parser.error('--timeline needs matplotlib: pip install -e ".[plot]"')
 
-    # Token-id prompts only: no tokenizer needed, so a directory with just a config.json runs too.
+    # Token-id prompts only: no tokenizer needed, so a directory with just a config.json runs too
+    # (the grounded workload's chat prompts and --structured-output's grammar need the tokenizer).
     grounded = args.workload == "grounded"
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
               quantization=args.quantization, max_model_len=None if grounded else args.max_model_len,
-              skip_tokenizer_init=not grounded, speculative_config=args.speculative_config,
+              skip_tokenizer_init=not (grounded or args.structured_output), speculative_config=args.speculative_config,
+              enable_prefix_caching=not args.structured_output,
               attention_backend=args.attention_backend, load_format=args.load_format,
               enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
               tensor_parallel_size=args.tensor_parallel_size, num_kvcache_blocks=args.num_kvcache_blocks)
-    prompts, output_lens = make_requests(args, llm.vocab_size)
-    penalties = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5) if args.penalties else {}
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **penalties) for n in output_lens]
+    prompts, output_lens = json_requests(args, llm) if args.structured_output else make_requests(args, llm.vocab_size)
+    options = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5) if args.penalties else {}
+    if args.structured_output:
+        options["structured_outputs"] = StructuredOutputsParams(json=ORDER_SCHEMA)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **options) for n in output_lens]
     if grounded:
         prompts = grounded_prompts(llm.tokenizer, args.num_seqs)
-        params = [SamplingParams(temperature=0.0, max_tokens=args.max_output_len, **penalties)] * args.num_seqs
-    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        params = [SamplingParams(temperature=0.0, max_tokens=args.max_output_len, **options)] * args.num_seqs
+    # Warm-up; a constrained one also reads the vocabulary into the grammar library (about a second, once).
+    llm.generate([prompts[0][:16]], replace(params[0], max_tokens=4), use_tqdm=False)
     if grounded and args.speculative_config:
         # Verify steps record a CPU graph per number of drafts at first sight: see them all before timing,
         # on a prompt that is not one of the run's.
@@ -235,11 +296,11 @@ def main():
     observer = StepObserver(llm) if args.timeline else None  # counts per step, after the warm-up
     before = llm.stats()
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     s = {k: v - before[k] for k, v in llm.stats().items() if k in before and k.endswith(("tokens", "seconds", "steps",
                                                                                           "preemptions", "drafts"))}
-    total = s["generated_tokens"]  # the output lengths, or fewer where EOS ended a grounded request
+    total = s["generated_tokens"]  # the output lengths, or fewer where EOS or a grammar ended a request
     results = {
         "dtype": str(llm.model_runner.dtype).removeprefix("torch."),
         "quantization": args.quantization,
@@ -280,6 +341,19 @@ def main():
     if args.timeline:
         plot_timeline(observer.records, args.timeline, f"bench.py: {args.num_seqs} requests, {total} output tokens, "
                       f"{'chunked prefill' if args.enable_chunked_prefill else 'prefill-first'}")
+    if args.structured_output:
+        # The same requests unconstrained, each as long as its constrained run: the grammar's cost alone.
+        free = [replace(p, structured_outputs=None, max_tokens=len(o["token_ids"])) for p, o in zip(params, outputs)]
+        start = time.perf_counter()
+        llm.generate(prompts, free, use_tqdm=False)
+        free_throughput = sum(p.max_tokens for p in free) / (time.perf_counter() - start)
+        closed = [o for o in outputs if o["finish_reason"] == "stop"]
+        results.update(unconstrained_throughput_tok_per_s=free_throughput, num_json_closed=len(closed),
+                       num_json_parsed=sum(parses(o["text"]) for o in closed),
+                       structured_vs_unconstrained=results["throughput_tok_per_s"] / free_throughput)
+        print(f"Structured output ({args.structured_output}): {total / elapsed:.2f}tok/s, the same requests "
+              f"unconstrained: {free_throughput:.2f}tok/s ({results['structured_vs_unconstrained']:.2f}x); "
+              f"{len(closed)} of {len(outputs)} closed their JSON, {results['num_json_parsed']} of them parse")
     if args.compare_hf:
         config, dtype, device = llm.config, llm.model_runner.dtype, llm.model_runner.device
         del llm, observer  # on a GPU, HF gets the memory of the engine's KV cache and graphs back

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from nanoengine.engine import LLMEngine
-from nanoengine.sampling_params import SamplingParams
+from nanoengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +126,21 @@ class AsyncLLMEngine:
         """The prompt's token ids; a ``ValueError`` if it is empty or too long. Reads the engine only."""
         return self.engine.tokenize(prompt)
 
-    def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
+    def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
         """A conversation's prompt token ids (``LLMEngine.chat_prompt``). Reads the engine only."""
-        return self.engine.chat_prompt(conversation, chat_template_kwargs)
+        return self.engine.chat_prompt(conversation, chat_template_kwargs, tools)
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compile ``params``' grammar into the engine's cache (``GrammarCompiler``, thread-safe), on
+        the calling thread; an ``InvalidGrammar`` if the library refuses it.
+
+        The server calls this in a worker thread before it queues the request: compiled on the
+        engine thread, as ``add_request`` would otherwise do, a large schema would hold up every
+        running request's next token for as long as it takes. Queued after this, the request finds
+        its grammar cached.
+        """
+        self.engine.grammars.compile(params)
 
     async def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> RequestStream:
         """Queue a request; a bad one raises ``ValueError`` here, before any output exists."""

@@ -16,7 +16,7 @@ import logging
 from itertools import accumulate
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, ValidationError, ValidationInfo, WrapValidator,
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
                       field_validator, model_validator)
 
 from nanoengine.sampling_params import SamplingParams
@@ -33,11 +33,9 @@ IGNORED = {
     "prompt_cache_key": "the prefix cache finds shared prompts by their tokens",
     "prompt_cache_retention": "the prefix cache keeps blocks until they are reused",
     "prompt_cache_options": "the prefix cache finds shared prompts by their tokens",
-    "parallel_tool_calls": "no tools are called (tools themselves are refused)",
     "reasoning_effort": "the served model has no reasoning effort to set",
     "modalities": 'only ["text"] is accepted: text is what is generated',
     "prediction": "predicted output only saves time; the tokens are the same without it",
-    "response_format": 'only {"type": "text"} is accepted: plain text is what is generated',
     "name": "a message's author name, which the chat template does not read",
 }
 
@@ -85,6 +83,34 @@ class Schema(BaseModel):
         return self
 
 
+class JsonSchema(Schema):
+    """``response_format.json_schema``: strict or not, the schema is enforced (structured_output.py)."""
+    name: str
+    description: str | None = None
+    schema_: dict = Field(alias="schema")  # pydantic's BaseModel has a ``schema`` of its own
+    strict: bool | None = None
+
+
+class ResponseFormat(Schema):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def json_schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is given with type "json_schema", and only then')
+        return self
+
+
+class StructuredOutputs(Schema):
+    """vLLM's ``structured_outputs`` extension: ``StructuredOutputsParams``' fields (exactly one)."""
+    json_: dict | str | None = Field(None, alias="json")  # pydantic's BaseModel has a ``json`` of its own
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class OpenAIRequest(Schema):
     model: str | None = None  # one model is served; the name is echoed back
     max_tokens: int | None = None
@@ -107,6 +133,14 @@ class OpenAIRequest(Schema):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob and its top k
+    # What the output must follow (openai_structured.py): OpenAI's response_format (on completions
+    # too, as in vLLM), vLLM's structured_outputs, and its older guided_* names. One at most.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", mode="before")
     @classmethod
@@ -138,21 +172,82 @@ class TextPart(Schema):
     text: str
 
 
+def _json_text(text: str) -> str:
+    try:
+        json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"must be JSON text: {e}") from None
+    return text
+
+
+class FunctionCall(Schema):
+    name: str
+    arguments: Annotated[str, AfterValidator(_json_text)]  # JSON text, as a response gives it
+
+
+class ToolCall(Schema):
+    """A call an assistant message made, as a response gave it and a client sends it back."""
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(Schema):
-    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer name for system
+    content: str | list[TextPart] | None = None  # None only in an assistant message with tool_calls
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant message's
+    tool_call_id: str | None = None  # a tool message's: the call it answers
     # What an assistant message of an earlier response holds when a client sends it back.
     refusal: Annotated[str | None, no_op(None, why="a refusal cannot be written into the chat template")] = None
-    tool_calls: Annotated[list | None, no_op(None, [], why="tools are not supported")] = None
-    function_call: Annotated[dict | None, no_op(None, why="functions are not supported")] = None
+    function_call: Annotated[dict | None, no_op(None, why="functions are deprecated: use tools")] = None
     audio: Annotated[dict | None, no_op(None, why="only text is generated")] = None
+
+    @model_validator(mode="after")
+    def fields_of_its_role(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required, except in an assistant message with tool_calls")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls are an assistant message's, not a {self.role} message's")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool_call_id is required in a tool message, and only there")
+        return self
 
     def for_template(self) -> dict:
         """The message as the chat template reads it: content parts joined by newlines, as vLLM
-        does, and developer as system."""
-        text = self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        does, developer as system, and a tool call's arguments as an object (what templates, and
+        HF's chat-template guide, expect; vLLM does the same)."""
+        content = self.content or ""
+        text = content if isinstance(content, str) else "\n".join(part.text for part in content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": json.loads(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(Schema):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule for a function's name
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; none: the function takes no arguments
+    strict: bool | None = None  # strict or not, a forced call's arguments follow the schema
+
+
+class Tool(Schema):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Schema):
+    name: str
+
+
+class NamedToolChoice(Schema):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -161,14 +256,13 @@ class ChatCompletionRequest(OpenAIRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None  # with logprobs: how many top tokens' logprobs beside each sampled one
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables
-    # Declared before parallel_tool_calls, so that tools, not that, is what a 400 names first.
-    tools: Annotated[list | None, no_op(None, [], why="tools are not supported")] = None
-    tool_choice: Annotated[str | dict | None, no_op(None, "none", "auto", why="tools are not supported")] = None
-    functions: Annotated[list | None, no_op(None, [], why="functions are not supported")] = None
-    function_call: Annotated[str | dict | None, no_op(None, "none", "auto", why="functions are not supported")] = None
-    parallel_tool_calls: bool | None = None
-    response_format: Annotated[dict | None, no_op(None, {"type": "text"},
-                                                  why="structured output is not supported")] = None
+    # Tools (tool_calls.py): none, "auto", "required" or a named function; default "auto" with tools.
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
+    functions: Annotated[list | None, no_op(None, [], why="functions are deprecated: use tools")] = None
+    function_call: Annotated[str | dict | None, no_op(None, "none", "auto",
+                                                      why="functions are deprecated: use tools")] = None
     modalities: Annotated[list[str] | None, no_op(None, ["text"], why="only text is generated")] = None
     audio: Annotated[dict | None, no_op(None, why="only text is generated")] = None
     web_search_options: Annotated[dict | None, no_op(None, why="there is no web search")] = None

@@ -7,7 +7,10 @@ in OpenAI's chunk format, one choice per prompt (a completions request may send 
 echo each prompt: openai_prompts.py) and sample (``n``). Stop strings and stop token ids are the
 engine's, as offline. However a response ends (done, client gone), its request is aborted, so the
 KV blocks of a client that disconnects are freed at once. The event loop only moves bytes and
-text: prompts are tokenized in worker threads, and the model runs on the engine's own thread.
+text: prompts are tokenized and grammars compiled in worker threads, and the model runs on the
+engine's own thread. What a request's output must follow (``response_format``, vLLM's extras, a
+forced tool call) is openai_structured.py's to read; tools, tool_calls.py's; with tools, each chat
+choice's text is split into content and tool calls by tool_parser.py.
 
 Errors are OpenAI's JSON (limits.py): 400 for a bad request, 413 for a body over
 ``--max-request-body-bytes``, 500 when the step running a request failed (in a stream: an error
@@ -45,8 +48,11 @@ from nanoengine.metrics import RequestClock, ServerMetrics
 from nanoengine.openai_protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, OpenAIRequest,
                                         chat_logprobs, completion_logprobs, error_body, sampling_params)
 from nanoengine.openai_prompts import Echo, prompt_batch, tokenize_batch, vllm_prompt_logprobs
+from nanoengine.openai_structured import structured_outputs
 from nanoengine.request_log import RequestLog
+from nanoengine.sampling_params import StructuredOutputsParams
 from nanoengine.serving_tokenization import tokenization_router
+from nanoengine.tool_calls import ToolChoice
 
 
 class EventStream(StreamingResponse):
@@ -99,18 +105,22 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
 
     async def generate(request: Request, req: OpenAIRequest, prompt_ids: list[list[int]], max_tokens: int, chat: bool,
                        logprobs: int | None, clock: RequestClock, prompt_logprobs: int | None = None,
-                       echo: Echo | None = None):
+                       echo: Echo | None = None, structured: StructuredOutputsParams | None = None,
+                       tools: ToolChoice | None = None):
         """Answer a request for one or more prompts (a completions batch): a choice per prompt and
         sample, numbered ``prompt_index * n + sample_index``, as OpenAI and vLLM do."""
         if req.prompt_logprobs is not None and req.stream:  # as in vLLM (echo's own go in the first chunk)
             raise BadRequest("prompt_logprobs is not available with stream: true", "prompt_logprobs")
-        params = replace(sampling_params(req, max_tokens, logprobs), prompt_logprobs=prompt_logprobs)
+        params = replace(sampling_params(req, max_tokens, logprobs), prompt_logprobs=prompt_logprobs,
+                         structured_outputs=structured)
         stream = await engine.add_requests(prompt_ids, params)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": model_name}
         num_choices = len(prompt_ids) * req.n
         num_tokens = [0] * num_choices  # per choice
         scored = [None] * len(prompt_ids)  # per prompt, the engine's prompt_logprobs, if asked
+        # Per chat choice, with tools: its text split into content and tool calls (tool_parser.py).
+        parsers = [tools.parser() if tools else None for _ in range(num_choices)]
 
         def usage() -> dict:
             n, num_prompt_tokens = sum(num_tokens), sum(map(len, prompt_ids))
@@ -122,10 +132,17 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
             if logprobs is not None and token_logprobs:
                 logprobs_json = (chat_logprobs(engine.tokenizer, token_logprobs, logprobs) if chat
                                  else completion_logprobs(engine.tokenizer, token_logprobs, offset))
+            calls = None
+            if (parser := parsers[index]) is not None:  # streamed: the calls' deltas; whole: the calls
+                text, calls = parser.feed(text, final=finish_reason is not None or not req.stream)
+                calls = calls if req.stream else parser.calls
+                finish_reason = "tool_calls" if finish_reason == "stop" and parser.calls else finish_reason
             if chat and req.stream:
                 content = {"delta": {"content": text} if text else {}}
+                content["delta"].update({"tool_calls": calls} if calls else {})
             else:
                 message = {"role": "assistant", "content": text, "refusal": None}
+                message.update({"content": text or None, "tool_calls": calls} if calls else {})
                 content = {"message": message} if chat else {"text": text}
             return {"index": index, "logprobs": logprobs_json, "finish_reason": finish_reason, **content}
 
@@ -210,7 +227,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
         # Echo with logprobs scores the prompt: its tokens' logprobs, as many top ones as the sampled tokens'.
         prompt_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
         return await generate(request, req, prompt_ids, 1 if echo and echo.drop_sample else max_tokens, chat=False,
-                              logprobs=req.logprobs, clock=clock, prompt_logprobs=prompt_logprobs, echo=echo)
+                              logprobs=req.logprobs, clock=clock, prompt_logprobs=prompt_logprobs, echo=echo,
+                              structured=await structured_outputs(engine, req))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -219,9 +237,12 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
             raise BadRequest("messages must not be empty", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        tools = ToolChoice.of(req)
         try:
-            prompt_ids = await asyncio.to_thread(engine.chat_prompt, [m.for_template() for m in req.messages],
+            prompt_ids = await asyncio.to_thread(tools.chat_prompt, engine, [m.for_template() for m in req.messages],
                                                  req.chat_template_kwargs)
+        except BadRequest:
+            raise
         except ValueError as e:  # about the prompt the engine makes of the messages, or the template's variables
             field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
             raise BadRequest(str(e), field) from None
@@ -230,7 +251,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
                           max(1, max_model_len - len(prompt_ids)))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return await generate(request, req, [prompt_ids], max_tokens, chat=True, logprobs=logprobs, clock=clock,
-                              prompt_logprobs=req.prompt_logprobs)
+                              prompt_logprobs=req.prompt_logprobs,
+                              structured=await structured_outputs(engine, req, tools.grammar), tools=tools)
 
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoengine", "max_model_len": max_model_len}
 

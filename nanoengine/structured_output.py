@@ -15,10 +15,15 @@ the grammar's parser at the sample's position:
 A sample forked at a request's first token gets a copy of the matcher (``Sequence.fork``). A
 preempted sequence keeps its tokens and its matcher, whose state is that of those tokens, so its
 recompute needs nothing from here.
+
+Compiling is the only slow part (milliseconds for a typical schema, far more for a large one), and
+the server does it in a worker thread before it queues the request (``AsyncLLMEngine.compile_grammar``),
+so the engine thread, which steps every other request, only ever finds the grammar cached and copies
+its matcher (tens of microseconds). The library releases the GIL while it compiles.
 """
 
-import functools
 import json
+import threading
 
 import torch
 
@@ -35,25 +40,44 @@ except ImportError:  # optional: only a request with structured_outputs needs it
 MAX_CACHED_GRAMMARS = 256
 
 
-class GrammarCompiler:
-    """Turns a request's ``StructuredOutputsParams`` into a checked grammar, cached by its text.
+class InvalidGrammar(ValueError):
+    """A grammar llguidance refuses; ``reason`` is the library's own message, which says what is wrong."""
 
-    The tokenizer's vocabulary is read once, at the first constrained request (about a second for a
-    49k vocabulary), not at start-up: an engine that never sees one never pays it.
+    def __init__(self, kind: str, reason: str):
+        super().__init__(f"structured_outputs.{kind} is not a grammar llguidance accepts: {reason}")
+        self.reason = reason
+
+
+class GrammarCompiler:
+    """Turns a request's ``StructuredOutputsParams`` into a compiled grammar, cached by its text.
+
+    What is cached is a matcher at the grammar's start, never advanced: each request gets a copy.
+    Two threads may use one compiler (the server compiles in worker threads, the engine thread
+    looks up), so the dict is read and written under a lock, and compiling happens outside it: a
+    slow grammar never holds up a lookup. The tokenizer's vocabulary is read once, at the first
+    constrained request (about a second for a 49k vocabulary), not at start-up: an engine that
+    never sees one never pays it.
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]):
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
-        self.grammars: dict[tuple[str, str], str] = {}  # (kind, text) -> checked grammar: this engine's own
+        self.grammars: dict[tuple[str, str], object] = {}  # (kind, text) -> matcher at the start: this engine's own
+        self._lock = threading.Lock()
+        self._vocabulary_lock = threading.Lock()  # read once, by whichever thread asks first
+        self._vocabulary = None
 
-    @functools.cached_property
+    @property
     def _llg_tokenizer(self):
         if llguidance is None:
             raise ValueError('structured_outputs needs llguidance: pip install -e ".[structured]"')
-        return llguidance.hf.from_tokenizer(self.tokenizer, self.vocab_size, eos_token=self.stop_token_ids)
+        with self._vocabulary_lock:
+            if self._vocabulary is None:
+                self._vocabulary = llguidance.hf.from_tokenizer(self.tokenizer, self.vocab_size,
+                                                                eos_token=self.stop_token_ids)
+            return self._vocabulary
 
-    def _compile(self, kind: str, text: str) -> str:
-        matcher = llguidance.LLMatcher
+    def _compile(self, kind: str, text: str):
+        tokenizer, matcher = self._llg_tokenizer, llguidance.LLMatcher  # the first says if llguidance is missing
         # JSON without free whitespace between its tokens (vLLM's disable_any_whitespace): a model
         # unsure how to go on could otherwise emit blanks until max_tokens.
         compact = {"whitespace_flexible": False}
@@ -63,25 +87,29 @@ class GrammarCompiler:
                        "regex": lambda: matcher.grammar_from_regex(text),
                        "choice": lambda: matcher.grammar_from_lark(_choice_grammar(json.loads(text))),
                        "grammar": lambda: matcher.grammar_from_lark(llguidance.gbnf_to_lark.any_to_lark(text))}[kind]()
-            error = matcher.validate_grammar(grammar, self._llg_tokenizer)
-        except (ValueError, RuntimeError, llguidance.gbnf_to_lark.GbnfToLarkError) as e:
+            error = matcher.validate_grammar(grammar, tokenizer)
+        except Exception as e:  # all about the text: the GBNF converter raises bare Exceptions ("Rule 'x' not found")
             error = str(e)
-        if error:  # the library's own message says what is wrong
-            raise ValueError(f"structured_outputs.{kind} is not a grammar llguidance accepts: {error}")
-        return grammar
+        if error:
+            raise InvalidGrammar(kind, error)
+        return matcher(tokenizer, grammar)
 
-    def compile(self, params: StructuredOutputsParams) -> str:
-        """``params``' grammar, checked at the first request that names it; a ``ValueError`` if the
-        library refuses it."""
-        if params.key not in self.grammars:
+    def compile(self, params: StructuredOutputsParams):
+        """``params``' grammar as a matcher at its start, compiled at the first request that names
+        it; an ``InvalidGrammar`` (a ``ValueError``) if the library refuses it. Thread-safe."""
+        with self._lock:
+            if (start := self.grammars.get(params.key)) is not None:
+                return start
+        start = self._compile(*params.key)  # outside the lock; two threads may both compile a new text
+        with self._lock:
             if len(self.grammars) >= MAX_CACHED_GRAMMARS:  # the oldest goes: a bound on what clients can grow
                 self.grammars.pop(next(iter(self.grammars)))
-            self.grammars[params.key] = self._compile(*params.key)
-        return self.grammars[params.key]
+            self.grammars[params.key] = start
+        return start
 
     def matcher(self, params: StructuredOutputsParams):
-        """A fresh matcher for ``params``' grammar, at its start."""
-        return llguidance.LLMatcher(self._llg_tokenizer, self.compile(params))
+        """A fresh matcher for ``params``' grammar, at its start: a copy of the cached one."""
+        return self.compile(params).deep_copy()
 
 
 def _choice_grammar(choices: list[str]) -> str:

@@ -113,6 +113,18 @@ def make_tiny_model(path: str, arch: str, tokenizer, seed: int = 0, **config_ove
     return path
 
 
+def with_chat_template(model: str, path: str, template: str) -> str:
+    """A copy of the model directory ``model`` at ``path`` whose tokenizer's chat template is ``template``."""
+    import shutil
+
+    from nanoengine.loader import load_tokenizer
+    shutil.copytree(model, path)
+    tokenizer = load_tokenizer(path)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, tokenizer) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")

@@ -9,35 +9,35 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_bench_prints_nano_vllm_final_line_and_json(tiny_models, tmp_path):
+def run_bench(model: str, tmp_path, *options: str) -> tuple[str, dict]:
+    """bench.py's output and its --json results; ``--device cpu``, since a subprocess escapes
+    conftest's pin (and float32 is CPU-only)."""
     out_json = tmp_path / "bench.json"
-    cmd = [sys.executable, "bench.py", "--model", tiny_models["llama"], "--num-seqs", "6", "--min-input-len", "8",
-           "--max-input-len", "24", "--min-output-len", "4", "--max-output-len", "12", "--dtype", "float32",
-           "--device", "cpu",  # a subprocess escapes conftest's pin; float32 is CPU-only
-           "--compare-hf", "--penalties", "--json", str(out_json)]
+    cmd = [sys.executable, "bench.py", "--model", model, "--device", "cpu", "--json", str(out_json), *options]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    last = result.stdout.strip().splitlines()[-1]
+    return result.stdout, json.loads(out_json.read_text())
+
+
+def test_bench_prints_nano_vllm_final_line_and_json(tiny_models, tmp_path):
+    stdout, results = run_bench(tiny_models["llama"], tmp_path, "--num-seqs", "6", "--min-input-len", "8",
+                                "--max-input-len", "24", "--min-output-len", "4", "--max-output-len", "12",
+                                "--dtype", "float32", "--compare-hf", "--penalties")
+    last = stdout.strip().splitlines()[-1]
     match = re.fullmatch(r"Total: (\d+)tok, Time: (\d+\.\d{2})s, Throughput: (\d+\.\d{2})tok/s", last)
     assert match, last
-    results = json.loads(out_json.read_text())
     assert int(match.group(1)) == results["total_tokens"] and results["dtype"] == "float32"
     assert results["hf_throughput_tok_per_s"] > 0 and results["hf_batch_size"] in (8, 32, 64)
     for label in ("Prefill:", "Decode:", "mean decode batch", "Preemptions:", "prefix-cache hit rate", "peak RSS",
                   "dtype:", "threads:"):
-        assert label in result.stdout
+        assert label in stdout
 
 
 def test_bench_reports_a_single_requests_ttft_and_tpot(tiny_models, tmp_path):
-    out_json = tmp_path / "bench.json"
-    cmd = [sys.executable, "bench.py", "--model", tiny_models["llama"], "--num-seqs", "1", "--min-input-len", "20",
-           "--max-input-len", "20", "--min-output-len", "9", "--max-output-len", "9", "--device", "cpu",
-           "--json", str(out_json)]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    results = json.loads(out_json.read_text())
+    stdout, results = run_bench(tiny_models["llama"], tmp_path, "--num-seqs", "1", "--min-input-len", "20",
+                                "--max-input-len", "20", "--min-output-len", "9", "--max-output-len", "9")
     assert results["ttft_ms"] > 0 and results["tpot_ms"] > 0
-    line = re.search(r"Single request: TTFT: ([\d.]+)ms, TPOT: ([\d.]+)ms \(([\d.]+)tok/s\)", result.stdout)
+    line = re.search(r"Single request: TTFT: ([\d.]+)ms, TPOT: ([\d.]+)ms \(([\d.]+)tok/s\)", stdout)
     assert line and float(line.group(2)) == round(results["tpot_ms"], 2)
 
 
@@ -87,3 +87,18 @@ def test_bench_runs_dummy_weights_from_a_config_alone(tmp_path):
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert re.search(r"Throughput: \d+\.\d{2}tok/s$", result.stdout.strip())
+
+
+def test_bench_structured_output_reports_both_throughputs(tiny_models, tmp_path):
+    options = ["--num-seqs", "3", "--min-output-len", "8", "--max-output-len", "24", "--structured-output", "json"]
+    stdout, results = run_bench(tiny_models["llama"], tmp_path, *options, "--dtype", "float32")
+    line = re.search(r"Structured output \(json\): ([\d.]+)tok/s, the same requests unconstrained: ([\d.]+)tok/s "
+                     r"\(([\d.]+)x\); (\d+) of 3 closed their JSON, (\d+) of them parse", stdout)
+    assert line and float(line.group(2)) == round(results["unconstrained_throughput_tok_per_s"], 2)
+    assert results["num_json_parsed"] == results["num_json_closed"] == int(line.group(4))
+    assert 3 <= results["total_tokens"] <= 3 * 24  # a request may close its JSON before its output length
+    last = stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"Total: \d+tok, Time: \d+\.\d{2}s, Throughput: \d+\.\d{2}tok/s", last), last
+    refused = subprocess.run([sys.executable, "bench.py", "--structured-output", "json", "--compare-hf"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "not with --compare-hf or --workload grounded" in refused.stderr

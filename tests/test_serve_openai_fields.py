@@ -19,6 +19,7 @@ from pydantic import ValidationError  # noqa: E402
 
 from nanoengine import LLM, SamplingParams  # noqa: E402
 from nanoengine.openai_protocol import IGNORED, ChatCompletionRequest, ChatMessage, CompletionRequest  # noqa: E402
+from tests.conftest import with_chat_template  # noqa: E402
 from tests.test_serve import (REPO_ROOT, chat_prompt_ids, client, in_process_server, llm, model_name,  # noqa: E402,F401
                               offline, server, server_log)
 
@@ -33,8 +34,7 @@ VLLM_EXTRAS = dict(top_k=40, min_p=0.05, repetition_penalty=1.2, min_tokens=3, i
 # Every field the policy accepts and ignores, each with a value that is accepted.
 IGNORED_VALUES = dict(metadata={"team": "a"}, store=False, service_tier="auto", user="u1", safety_identifier="s1",
                       prompt_cache_key="k", prompt_cache_retention="24h", prompt_cache_options={"mode": "implicit"},
-                      parallel_tool_calls=True, reasoning_effort="low", modalities=["text"],
-                      prediction={"type": "content", "content": "Blue"}, response_format={"type": "text"})
+                      reasoning_effort="low", modalities=["text"], prediction={"type": "content", "content": "Blue"})
 
 
 def offline_params(**fields) -> dict:
@@ -51,12 +51,12 @@ def sdk_fields(typed_dict) -> set[str]:
 def test_every_field_of_openais_chat_and_completions_apis_is_declared():
     from openai.types import completion_create_params
     from openai.types.chat import (ChatCompletionAssistantMessageParam, ChatCompletionDeveloperMessageParam,
-                                   ChatCompletionSystemMessageParam, ChatCompletionUserMessageParam,
-                                   completion_create_params as chat_create_params)
+                                   ChatCompletionSystemMessageParam, ChatCompletionToolMessageParam,
+                                   ChatCompletionUserMessageParam, completion_create_params as chat_create_params)
     assert sdk_fields(chat_create_params.CompletionCreateParamsBase) <= ChatCompletionRequest.model_fields.keys()
     assert sdk_fields(completion_create_params.CompletionCreateParamsBase) <= CompletionRequest.model_fields.keys()
     messages = (ChatCompletionSystemMessageParam, ChatCompletionDeveloperMessageParam, ChatCompletionUserMessageParam,
-                ChatCompletionAssistantMessageParam)
+                ChatCompletionAssistantMessageParam, ChatCompletionToolMessageParam)
     assert set().union(*map(sdk_fields, messages)) <= ChatMessage.model_fields.keys()
 
 
@@ -64,7 +64,8 @@ def test_chat_with_every_honoured_and_ignored_field_equals_offline(client, model
     sampled = dict(temperature=0.3, top_p=0.95, seed=3, n=2, stop=["\n\n"])
     response = client.chat.completions.create(
         model=model_name, messages=MESSAGES, max_completion_tokens=10, logprobs=True, top_logprobs=2,
-        stream_options=None, tools=[], tool_choice="none", **PENALTIES, **sampled, **IGNORED_VALUES,
+        stream_options=None, tools=[], tool_choice="none", parallel_tool_calls=True, response_format={"type": "text"},
+        **PENALTIES, **sampled, **IGNORED_VALUES,
         extra_body=dict(VLLM_EXTRAS, chat_template_kwargs={"enable_thinking": False}))
     expected = offline(llm, [chat_prompt_ids(llm, AS_SYSTEM)], max_tokens=10, logprobs=2,
                        **offline_params(**PENALTIES, **sampled, **VLLM_EXTRAS))[0]["outputs"]
@@ -90,10 +91,8 @@ def test_completion_with_every_field_equals_offline(client, model_name, llm):
 @pytest.mark.parametrize("path, field, value, reason", [
     ("chat/completions", "modalities", ["text", "audio"], "only text is generated"),
     ("chat/completions", "audio", {"voice": "alloy", "format": "wav"}, "only text is generated"),
-    ("chat/completions", "response_format", {"type": "json_object"}, "structured output is not supported"),
-    ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], "tools are not supported"),
-    ("chat/completions", "tool_choice", "required", "tools are not supported"),
-    ("chat/completions", "functions", [{"name": "f"}], "functions are not supported"),
+    ("chat/completions", "functions", [{"name": "f"}], "functions are deprecated: use tools"),
+    ("chat/completions", "function_call", {"name": "f"}, "functions are deprecated: use tools"),
     ("chat/completions", "web_search_options", {}, "there is no web search"),
     ("chat/completions", "verbosity", "high", "verbosity cannot be set"),
     ("completions", "suffix", "!", "no fill-in-the-middle"),
@@ -118,11 +117,12 @@ def test_null_means_the_default(server, llm):
     assert response.json()["choices"][0]["text"] == expected
 
 
-def test_tools_not_parallel_tool_calls_are_what_a_tool_call_is_refused_for():
-    body = {"messages": MESSAGES, "parallel_tool_calls": False, "tools": [{"type": "function"}]}
+def test_a_tool_is_checked_to_its_fields_and_the_400_names_them():
+    body = {"messages": MESSAGES, "parallel_tool_calls": False,
+            "tools": [{"type": "function"}, {"type": "function", "function": {"name": "no spaces"}}]}
     with pytest.raises(ValidationError) as info:
         ChatCompletionRequest.model_validate(body)
-    assert [e["loc"] for e in info.value.errors()] == [("tools",)]
+    assert [e["loc"] for e in info.value.errors()] == [("tools", 0, "function"), ("tools", 1, "function", "name")]
 
 
 def test_the_schema_names_every_bad_field_at_once(server):
@@ -184,15 +184,8 @@ THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.cont
 
 @pytest.fixture(scope="module")
 def thinking_model(tiny_models, tmp_path_factory) -> str:
-    import shutil
-
-    from nanoengine.loader import load_tokenizer
-    path = str(tmp_path_factory.mktemp("thinking") / "llama")
-    shutil.copytree(tiny_models["llama"], path)
-    tokenizer = load_tokenizer(path)
-    tokenizer.chat_template = THINKING_TEMPLATE
-    tokenizer.save_pretrained(path)
-    return path
+    return with_chat_template(tiny_models["llama"], str(tmp_path_factory.mktemp("thinking") / "llama"),
+                              THINKING_TEMPLATE)
 
 
 def test_chat_template_kwargs_reach_the_chat_template(thinking_model):

@@ -1,0 +1,60 @@
+"""What a request asks its output to follow, in whichever of the API's forms it asks: OpenAI's
+``response_format`` (``json_object``, ``json_schema``) and a ``tool_choice`` that forces a call,
+vLLM's ``structured_outputs`` and its older ``guided_json``, ``guided_regex``, ``guided_choice`` and
+``guided_grammar``. Each becomes one ``StructuredOutputsParams``; a request may give one of them at
+most, since each constrains the whole output.
+
+The grammar is compiled here, in a worker thread, before serve.py queues the request: compiled on
+the engine thread, as ``LLMEngine.add_request`` would otherwise do, a large schema would stall
+every running request's next token for as long as it takes (``AsyncLLMEngine.compile_grammar``).
+A grammar the library refuses is a 400 that names the field and quotes the library's reason.
+"""
+
+import asyncio
+
+from nanoengine.async_engine import AsyncLLMEngine
+from nanoengine.openai_protocol import BadRequest, OpenAIRequest
+from nanoengine.sampling_params import StructuredOutputsParams
+from nanoengine.structured_output import InvalidGrammar
+
+
+def _requested(req: OpenAIRequest, tool_grammar: str | None) -> dict[str, tuple[dict, str]]:
+    """Each constraining field the request sets: ``StructuredOutputsParams``' keywords, and the
+    part of the request its grammar comes from (what a 400 names if the library refuses it)."""
+    asked = {}
+    if req.response_format is not None and req.response_format.type == "json_object":
+        asked["response_format"] = {"json_object": True}, "response_format"
+    elif req.response_format is not None and req.response_format.type == "json_schema":
+        schema = req.response_format.json_schema.schema_
+        asked["response_format"] = {"json": schema}, "response_format.json_schema.schema"
+    if req.structured_outputs is not None:
+        keywords = req.structured_outputs.model_dump(exclude_defaults=True, by_alias=True)
+        asked["structured_outputs"] = keywords, f"structured_outputs.{next(iter(keywords), '')}"
+    for kind in ("json", "regex", "choice", "grammar"):
+        if (value := getattr(req, f"guided_{kind}")) is not None:
+            asked[f"guided_{kind}"] = {kind: value}, f"guided_{kind}"
+    if tool_grammar is not None:
+        asked["tool_choice"] = {"grammar": tool_grammar}, "tools (a function's parameters)"
+    return asked
+
+
+async def structured_outputs(engine: AsyncLLMEngine, req: OpenAIRequest,
+                             tool_grammar: str | None = None) -> StructuredOutputsParams | None:
+    """The request's constraint, its grammar compiled (in a worker thread); None if it has none.
+    ``tool_grammar``: the grammar of a ``tool_choice`` that forces a call (tool_calls.py)."""
+    asked = _requested(req, tool_grammar)
+    if len(asked) > 1:
+        raise BadRequest(f"{' and '.join(asked)} each constrain the output: give one of them at most",
+                         next(iter(asked)))
+    if not asked:
+        return None
+    [(field, (keywords, source))] = asked.items()
+    try:
+        params = StructuredOutputsParams(**keywords)
+        await asyncio.to_thread(engine.compile_grammar, params)
+    except InvalidGrammar as e:
+        param = "tools" if field == "tool_choice" else field
+        raise BadRequest(f"{source} is not a grammar llguidance accepts: {e.reason}", param) from None
+    except ValueError as e:  # StructuredOutputsParams' own checks, which name its fields
+        raise BadRequest(str(e) if field == "structured_outputs" else f"{field}: {e}", field) from None
+    return params

@@ -1,0 +1,319 @@
+"""Structured output and tool calls through the server, driven by the official openai client:
+``response_format`` (and the client's ``parse`` with a pydantic model), vLLM's
+``structured_outputs`` and ``guided_*`` extras, and ``tools`` with every ``tool_choice``, whole and
+streamed. The tiny model's weights are random and it samples at temperature 1.0: every finished
+("stop") output that parses and validates is the grammar's doing.
+"""
+
+import json
+import threading
+from typing import Annotated
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("llguidance")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+jsonschema = pytest.importorskip("jsonschema")
+
+from pydantic import BaseModel, Field  # noqa: E402
+
+from nanoengine import LLM  # noqa: E402
+from nanoengine.openai_protocol import BadRequest, ChatCompletionRequest  # noqa: E402
+from nanoengine.sampling_params import StructuredOutputsParams  # noqa: E402
+from nanoengine.tool_calls import ToolChoice  # noqa: E402
+from tests.conftest import with_chat_template  # noqa: E402
+from tests.test_serve import in_process_server  # noqa: E402
+from tests.test_structured_output import ARITHMETIC, CHOICES, PERSON, PHONE, check  # noqa: E402
+
+# A Hermes-style template, as Qwen2.5's: the tools in the system turn, an assistant's calls in
+# <tool_call> tags, a tool's answer in <tool_response> tags.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these functions:\n<tools>{% for tool in tools %}\n"
+    "{{ tool | tojson }}{% endfor %}\n</tools>\nFor each call, write <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call>.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for call in m.tool_calls or [] %}<tool_call>\n{{ {'name': call.function.name, "
+    "'arguments': call.function.arguments} | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "required": ["city", "unit"], "additionalProperties": False, "properties": {
+        "city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "required": ["zone"], "additionalProperties": False,
+    "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+NO_ARGUMENTS = {"type": "function", "function": {"name": "ping"}}
+TOOLS = [WEATHER, CLOCK, NO_ARGUMENTS]
+SCHEMAS = {tool["function"]["name"]: tool["function"].get("parameters", {"type": "object", "maxProperties": 0})
+           for tool in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+SAMPLED = dict(temperature=1.0, max_tokens=96)
+
+
+class City(BaseModel):
+    name: str = Field(max_length=10)
+    population: int = Field(ge=0, le=10 ** 6)
+    sights: list[Annotated[str, Field(max_length=8)]] = Field(max_length=2)
+
+
+@pytest.fixture(scope="module")
+def tools_model(tiny_models, tmp_path_factory) -> str:
+    return with_chat_template(tiny_models["llama"], str(tmp_path_factory.mktemp("tools") / "llama"), TOOLS_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def llm(tools_model):
+    return LLM(tools_model, dtype="float32", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def served(tools_model):
+    with in_process_server(tools_model, max_model_len=512) as (url, engine):
+        yield url, engine
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def finished(choices) -> list:
+    assert all(c.finish_reason in ("stop", "length", "tool_calls") for c in choices)
+    return [c for c in choices if c.finish_reason in ("stop", "tool_calls")]
+
+
+def validated_calls(message) -> list[tuple[str, dict]]:
+    """Each call's name and arguments, the arguments checked against that function's schema."""
+    calls = []
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        calls.append((call.function.name, arguments))
+    return calls
+
+
+@pytest.mark.parametrize("path", ["chat/completions", "completions"])
+def test_response_format_json_schema_outputs_validate_with_n_samples(client, path):
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    if path == "completions":
+        response = client.completions.create(model="tiny", prompt="A person:", n=8, seed=1, **SAMPLED,
+                                             extra_body={"response_format": response_format})
+        texts = [c.text for c in finished(response.choices)]
+    else:
+        response = client.chat.completions.create(model="tiny", messages=ASK, n=8, seed=1,
+                                                  response_format=response_format, **SAMPLED)
+        texts = [c.message.content for c in finished(response.choices)]
+    assert len(response.choices) == 8 and len(texts) >= 2
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_response_format_json_object_gives_a_json_object(client):
+    response = client.chat.completions.create(model="tiny", messages=ASK, n=8, seed=2, temperature=1.0, max_tokens=160,
+                                              response_format={"type": "json_object"})
+    done = finished(response.choices)
+    assert done, "some of the samples close their object within max_tokens"
+    assert all(isinstance(json.loads(c.message.content), dict) for c in done)
+
+
+def test_the_clients_parse_returns_the_pydantic_object(client):
+    completion = client.chat.completions.parse(model="tiny", messages=ASK, response_format=City, seed=3,
+                                               temperature=1.0, max_tokens=160)
+    message = completion.choices[0].message
+    assert isinstance(message.parsed, City) and message.parsed == City.model_validate_json(message.content)
+
+
+@pytest.mark.parametrize("extra, params", [
+    ({"structured_outputs": {"json": PERSON}}, StructuredOutputsParams(json=PERSON)),
+    ({"structured_outputs": {"regex": PHONE}}, StructuredOutputsParams(regex=PHONE)),
+    ({"structured_outputs": {"choice": CHOICES}}, StructuredOutputsParams(choice=CHOICES)),
+    ({"structured_outputs": {"grammar": ARITHMETIC}}, StructuredOutputsParams(grammar=ARITHMETIC)),
+    ({"guided_json": json.dumps(PERSON)}, StructuredOutputsParams(json=PERSON)),
+    ({"guided_regex": PHONE}, StructuredOutputsParams(regex=PHONE)),
+    ({"guided_choice": CHOICES}, StructuredOutputsParams(choice=CHOICES)),
+    ({"guided_grammar": ARITHMETIC}, StructuredOutputsParams(grammar=ARITHMETIC)),
+], ids=lambda x: next(iter(x)) if isinstance(x, dict) and "structured_outputs" not in x else None)
+def test_vllms_extras_constrain_the_output(client, extra, params):
+    response = client.completions.create(model="tiny", prompt="Answer:", n=6, seed=4, extra_body=extra, **SAMPLED)
+    done = finished(response.choices)
+    assert done
+    for c in done:
+        check(params, c.text)
+
+
+@pytest.mark.parametrize("body, names", [
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "response_format and guided_regex"),
+    ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "structured_outputs and guided_choice"),
+    ({"response_format": {"type": "json_object"}, "tools": TOOLS, "tool_choice": "required"},
+     "response_format and tool_choice"),
+])
+def test_two_constraints_in_one_request_are_a_400_naming_them(served, body, names):
+    response = httpx.post(f"{served[0]}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body},
+                          timeout=30)
+    assert response.status_code == 400 and names in response.json()["error"]["message"], response.text
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
+                                                                                         "properties": 5}}}},
+     "response_format", "response_format.json_schema.schema is not a grammar llguidance accepts: properties"),
+    ({"guided_regex": "(unclosed"}, "guided_regex", "guided_regex is not a grammar llguidance accepts"),
+    ({"structured_outputs": {"grammar": "root ::= nothing_defined"}}, "structured_outputs",
+     "structured_outputs.grammar is not a grammar llguidance accepts"),
+    ({"guided_choice": []}, "guided_choice", "choice must be a non-empty list"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+     "structured_outputs takes exactly one of json, json_object, regex, choice, grammar; got ['regex', 'choice']"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools", "tools (a function's parameters) is not a grammar llguidance accepts"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is given with type"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nowhere"}}}, "tool_choice",
+     "'nowhere', which is not one of the tools"),
+])
+def test_a_grammar_or_tool_request_that_cannot_be_served_is_a_400_and_the_server_serves_on(served, body, param,
+                                                                                            message):
+    url, _ = served
+    response = httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body}, timeout=30)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param and message in error["message"], response.text
+    good = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+        "messages": ASK, "max_tokens": 16, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "choice", "schema": {"enum": CHOICES}}}})
+    assert good.status_code == 200 and json.loads(good.json()["choices"][0]["message"]["content"]) in CHOICES
+
+
+def test_a_named_function_is_called_with_arguments_that_validate(client):
+    response = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, n=6, seed=5, **SAMPLED,
+                                              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    done = finished(response.choices)
+    assert done
+    for c in done:
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        [(name, arguments)] = validated_calls(c.message)
+        assert name == "get_weather"
+
+
+def test_required_makes_one_or_more_calls_of_the_tools_and_parallel_false_one(client):
+    for parallel in (True, False):
+        response = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                                  parallel_tool_calls=parallel, n=6, seed=6, **SAMPLED)
+        done = finished(response.choices)
+        assert done
+        for c in done:
+            calls = validated_calls(c.message)
+            assert c.finish_reason == "tool_calls" and len(calls) >= 1 and (parallel or len(calls) == 1)
+
+
+def streamed_calls(chunks) -> tuple[list[tuple[str, str]], str | None, int]:
+    """The calls a stream's deltas add up to, its finish reason and how many argument fragments
+    came, checking OpenAI's order: a call's first delta has its id, type, name and empty
+    arguments; later ones only fragments of its arguments."""
+    calls, finish_reason, fragments = {}, None, 0
+    for chunk in chunks:
+        choice = chunk.choices[0]
+        finish_reason = choice.finish_reason or finish_reason
+        for delta in choice.delta.tool_calls or []:
+            if delta.index not in calls:
+                assert delta.id.startswith("call_") and delta.type == "function" and delta.function.arguments == ""
+                calls[delta.index] = [delta.function.name, ""]
+            else:
+                assert delta.id is None and delta.function.name is None
+                calls[delta.index][1] += delta.function.arguments
+                fragments += 1
+    return [tuple(call) for call in calls.values()], finish_reason, fragments
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_streamed_tool_call_deltas_add_up_to_the_whole_response(client, tool_choice):
+    request = dict(model="tiny", messages=ASK, tools=[WEATHER, CLOCK], tool_choice=tool_choice, seed=7, **SAMPLED)
+    whole = client.chat.completions.create(**request).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    calls, finish_reason, fragments = streamed_calls(client.chat.completions.create(stream=True, **request))
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert finish_reason == "tool_calls" and fragments > len(calls)  # the arguments came token by token
+
+
+# A model that calls a tool of its own accord: a regex writes what a Hermes-style model would.
+HERMES_OUTPUT = ('Let me check\\.\\n<tool_call>\\n\\{"name": "get_weather", "arguments": '
+                 '\\{"city": "(Paris|Rome)", "unit": "celsius"\\}\\}\\n</tool_call>')
+
+
+def test_auto_renders_the_tools_and_parses_a_hermes_call_whole_and_streamed(client, llm):
+    request = dict(model="tiny", messages=ASK, tools=TOOLS, seed=8, **SAMPLED,
+                   extra_body={"guided_regex": HERMES_OUTPUT})
+    response = client.chat.completions.create(**request)  # tool_choice "auto": the default with tools
+    assert response.usage.prompt_tokens == len(llm.chat_prompt(ASK, tools=TOOLS)) > len(llm.chat_prompt(ASK))
+    message = response.choices[0].message
+    assert response.choices[0].finish_reason == "tool_calls" and message.content == "Let me check."
+    [(name, arguments)] = validated_calls(message)
+    assert name == "get_weather" and arguments["city"] in ("Paris", "Rome")
+    chunks = list(client.chat.completions.create(stream=True, **request))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Let me check."
+    assert streamed_calls(chunks)[:2] == ([(name, message.tool_calls[0].function.arguments)], "tool_calls")
+
+
+def test_auto_on_a_template_that_ignores_tools_is_refused_and_none_renders_no_tools(tiny_models):
+    plain = LLM(tiny_models["llama"], dtype="float32")  # a ChatML template without tools
+    request = ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS})
+    with pytest.raises(BadRequest, match='tool_choice "auto": this model\'s chat template does not render tools'):
+        ToolChoice.of(request).chat_prompt(plain, ASK, None)
+    required = ToolChoice.of(ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS,
+                                                                    "tool_choice": "required"}))
+    assert required.chat_prompt(plain, ASK, None) == plain.chat_prompt(ASK)
+    none = ToolChoice.of(ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS, "tool_choice": "none"}))
+    assert none.tools == [] and none.grammar is None and none.parser() is None
+
+
+def test_a_conversation_with_tool_calls_and_tool_results_reaches_the_template(client, llm):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                            "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+    response = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=2,
+                                              temperature=0)
+    as_template_reads_it = ASK + [{"role": "assistant", "content": "", "tool_calls": [
+        {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+    expected = llm.chat_prompt(as_template_reads_it, tools=TOOLS)
+    assert response.usage.prompt_tokens == len(expected)
+    text = llm.tokenizer.decode(expected)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"' in text and "18 degrees" in text
+
+
+def test_a_tool_call_the_sdk_returned_can_be_sent_back_with_its_result(client):
+    messages = list(ASK)
+    first = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, seed=9, **SAMPLED,
+                                           tool_choice={"type": "function", "function": {"name": "ping"}})
+    message = first.choices[0].message
+    messages += [message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "pong"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=2)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("message, complaint", [
+    ({"role": "tool", "content": "18"}, "tool_call_id is required in a tool message"),
+    ({"role": "user", "content": None}, "content is required"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "{not json"}}]}, "must be JSON text"),
+])
+def test_a_malformed_tool_message_is_a_400_naming_it(served, message, complaint):
+    response = httpx.post(f"{served[0]}/v1/chat/completions", json={"messages": ASK + [message]}, timeout=30)
+    assert response.status_code == 400 and complaint in response.json()["error"]["message"], response.text
+    assert response.json()["error"]["param"] == "messages"
+
+
+def test_grammars_are_compiled_off_the_engine_thread_once(served, monkeypatch):
+    url, engine = served
+    compiled_on, compile = [], engine.grammars._compile
+
+    def recording_compile(kind: str, text: str):
+        compiled_on.append(threading.current_thread().name)
+        return compile(kind, text)
+    monkeypatch.setattr(engine.grammars, "_compile", recording_compile)
+    body = {"messages": ASK, "max_tokens": 8, "guided_regex": "[a-z]{1,20} off the engine thread"}
+    assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 200
+    assert len(compiled_on) == 1 and compiled_on[0] != "nanoengine"  # the engine thread found it cached

@@ -1,0 +1,83 @@
+"""The tool parser: the calls and content it finds in a model's text, the same whether the text
+comes whole or in any pieces, and its deltas in OpenAI's streaming order."""
+
+import json
+import random
+
+import pytest
+
+from nanoengine.tool_parser import ToolCallParser
+
+QWEN = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}", "days": [1, '
+        '{"a": "]"}]}}\n</tool_call>\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>\n')
+# text, content, [(name, arguments)]
+CASES = {
+    "hermes, two calls": (QWEN, "I will look it up.", [
+        ("get_weather", '{"city": "Pa\\"ris}", "days": [1, {"a": "]"}]}'), ("ping", "{}")]),
+    "smollm2's list": ('<tool_call>[\n{"name": "a", "arguments": {"x": 1}},\n{"name": "b", "arguments": {}}\n]'
+                       '</tool_call>', "", [("a", '{"x": 1}'), ("b", "{}")]),
+    "arguments first, parameters": ('<tool_call>{"parameters": {"x": "é"}, "name": "a"}</tool_call> Done.', "Done.",
+                                    [("a", '{"x": "é"}')]),
+    "a block that is not a call": ("See <tool_call>no json</tool_call> here  ",
+                                   "See<tool_call>no json</tool_call> here", []),
+    "cut in the arguments": ('<tool_call>\n{"name": "a", "arguments": {"x": "ab', "", [("a", '{"x": "ab')]),
+    "cut before the arguments": ('Hm <tool_call>\n{"nam', 'Hm<tool_call>\n{"nam', []),
+    "a tag never finished": ("Less than <tool_ca", "Less than <tool_ca", []),
+    "no call": ("  Just text,\n\n", "Just text,", []),
+    "a name with an escape": ('<tool_call>{"name": "get_\\u0074ime", "arguments": {}}</tool_call>', "",
+                              [("get_time", "{}")]),
+    "a name with an escape JSON lacks": ('<tool_call>{"name": "a\\q", "arguments": {}}</tool_call>', "",
+                                         [("a\\q", "{}")]),
+}
+
+
+def parse(text: str, cuts: list[int], parallel: bool = True) -> tuple[str, list[tuple[str, str]]]:
+    """Feed ``text`` in pieces cut at ``cuts``; the content and calls, rebuilt from the deltas,
+    which are checked to agree with the parser's own ``calls``."""
+    parser, content, calls = ToolCallParser(parallel), "", {}
+    pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+    for k, piece in enumerate(pieces):
+        new_content, deltas = parser.feed(piece, final=k == len(pieces) - 1)
+        content += new_content
+        for delta in deltas:
+            if delta["index"] not in calls:  # a call's first delta: everything but its arguments
+                assert set(delta) == {"index", "id", "type", "function"} and delta["function"]["arguments"] == ""
+                assert delta["id"].startswith("call_") and delta["type"] == "function"
+                calls[delta["index"]] = [delta["function"]["name"], ""]
+            else:
+                assert set(delta) == {"index", "function"} and set(delta["function"]) == {"arguments"}
+                calls[delta["index"]][1] += delta["function"]["arguments"]
+    whole = [(c["function"]["name"], c["function"]["arguments"]) for c in parser.calls]
+    assert [tuple(c) for c in calls.values()] == whole
+    return content, whole
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_calls_and_content_are_the_same_whole_and_in_any_pieces(name):
+    text, content, calls = CASES[name]
+    assert parse(text, []) == (content, calls)
+    assert parse(text, list(range(1, len(text)))) == (content, calls)  # character by character
+    rng = random.Random(name)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
+        assert parse(text, cuts) == (content, calls), cuts
+
+
+def test_the_arguments_stream_as_they_come_and_are_json():
+    parser = ToolCallParser()
+    _, first = parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {"ci')
+    assert [d["function"] for d in first] == [{"name": "get_weather", "arguments": ""}, {"arguments": '{"ci'}]
+    _, second = parser.feed('ty": "Oslo"}}\n</tool_call>', final=True)
+    assert second == [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]
+    assert json.loads(parser.calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_without_parallel_calls_only_the_first_is_kept():
+    assert parse(QWEN, [], parallel=False) == ("I will look it up.", [CASES["hermes, two calls"][2][0]])
+    assert parse(QWEN, list(range(1, len(QWEN))), parallel=False)[1] == [CASES["hermes, two calls"][2][0]]
+
+
+def test_every_call_has_its_own_id():
+    parser = ToolCallParser()
+    parser.feed(QWEN, final=True)
+    assert len({call["id"] for call in parser.calls}) == 2

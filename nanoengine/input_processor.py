@@ -1,0 +1,82 @@
+"""Input processing: a request's prompt, checked and turned into token ids before anything is queued.
+
+A prompt the engine could never serve is refused here with a ``ValueError`` that says why, before
+the tokenizer spends time on it or a step fails on it: text longer than ``max_model_len`` tokens
+could hold, a lone surrogate, token ids outside the vocabulary, an empty prompt, one longer than
+``max_model_len``. A chat conversation becomes its prompt through the tokenizer's chat template
+(vLLM's input preprocessor does both). The engine's ``tokenize`` and ``chat_prompt`` are these.
+"""
+
+import inspect
+
+from jinja2 import TemplateError
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        # No token covers more characters than the vocabulary's longest (a byte-level token's string
+        # has a character per byte), so a text longer than this has more than max_model_len tokens:
+        # refused before the tokenizer spends seconds on it (24 MB took 20 s, and memory kept).
+        # Without a tokenizer (skip_tokenizer_init) prompts are token ids, and there is no bound to keep.
+        self.max_prompt_chars = (max_model_len * max(map(len, tokenizer.get_vocab()))
+                                 if tokenizer is not None else None)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids, or a ``ValueError`` if the engine could never serve it."""
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("prompts must be lists of token ids: the engine has no tokenizer (skip_tokenizer_init=True)")
+        if isinstance(prompt, str):
+            self.check_prompt_text(prompt)
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+        else:
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        # The tokenizer's ids too: one larger than the embedding would otherwise fail the whole step.
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the model's vocabulary [0, {self.vocab_size})")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len="
+                             f"{self.max_model_len}")
+        return token_ids
+
+    def check_prompt_text(self, *texts: str) -> None:
+        """A ``ValueError`` for prompt text the tokenizer must not see: more characters than
+        ``max_model_len`` tokens can hold, or a lone surrogate (which no UTF-8 encodes)."""
+        if (num_chars := sum(map(len, texts))) > self.max_prompt_chars:
+            raise ValueError(f"prompt has {num_chars} characters, more than max_model_len={self.max_model_len} "
+                             f"tokens could hold ({self.max_prompt_chars} characters)")
+        for text in texts:
+            try:
+                text.encode()
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt is not valid Unicode text: a lone surrogate at character {e.start}") from None
+
+    def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
+        """A conversation's prompt token ids: the tokenizer's chat template with the generation prompt.
+
+        Tokenized by the template itself, which writes BOS and the like: rendering it to text and
+        encoding that with special tokens would put a second BOS in front. ``chat_template_kwargs``
+        are the template's own variables, as vLLM passes them (Qwen3's ``enable_thinking``);
+        ``tools`` (OpenAI's function tools) the template writes in if it knows how.
+        """
+        if not isinstance(conversation, list) or not conversation or not all(isinstance(m, dict) for m in conversation):
+            raise ValueError("a conversation must be a non-empty list of {'role', 'content'} dicts")
+        if self.tokenizer is None:
+            raise ValueError("chat needs the tokenizer's chat template: the engine has none (skip_tokenizer_init=True)")
+        variables = dict(chat_template_kwargs or {})
+        if taken := sorted(variables.keys() & inspect.signature(self.tokenizer.apply_chat_template).parameters.keys()):
+            raise ValueError(f"chat_template_kwargs may set only the template's variables, not {taken} "
+                             "(arguments of apply_chat_template itself)")
+        self.check_prompt_text(*(str(m.get("content", "")) for m in conversation))  # the template adds more
+        try:
+            token_ids = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=True,
+                                                           add_generation_prompt=True, return_dict=False, **variables)
+        except TemplateError as e:  # templates may reject a conversation, e.g. roles out of order
+            raise ValueError(f"the chat template rejected the messages: {e}") from e
+        return self.tokenize(list(token_ids))

@@ -1,4 +1,5 @@
-// The weight-only quantized linear layers on CPU, for AVX2: out = x @ W.T (+ bias), W in 4 or 8 bits.
+// The weight-only quantized linear layers on CPU, for AVX2 and, where the CPU has it, AVX-512 VNNI:
+// out = x @ W.T (+ bias), W in 4 or 8 bits.
 //
 // A decode step at batch 1 streams every weight of the model once, so its speed is set by the
 // weight's bytes: 0.625 per weight in int4, against 4 in float32. To read them that fast, the
@@ -6,7 +7,10 @@
 // instructions than the memory costs time. So, as llama.cpp does, each row of x is quantized too,
 // to int8 in blocks of 32 with a float scale, and the products are taken 32 at a time in integer
 // arithmetic (vpmaddubsw: unsigned bytes times signed bytes, pairs summed). Only each block's sum
-// becomes a float, scaled by the weight block's scale times the x block's.
+// becomes a float, scaled by the weight block's scale times the x block's. With AVX-512 VNNI the
+// products and their sums are one instruction (vpdpbusd, the same integers), and int4 takes two
+// tiles per 512-bit register: batched int4 steps and prefill 1.2-1.3x faster on a Sapphire Rapids,
+// where they are bound by these instructions; a decode step, bound by memory, is unchanged.
 //
 // int4: w = q * scale + min per block of 32 along a row (GGUF's Q4_1), q in 0..15. With x ~ xs * p
 // (p the int8 values, xs their scale):
@@ -40,6 +44,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_bfloat16.h"
@@ -49,7 +54,14 @@ constexpr int BLOCK = 32;      // weights (and x values) sharing one scale
 constexpr int TILE = 8;        // rows of W stored (and, in int4, computed) together
 constexpr int INT4_BLOCK_BYTES = TILE * (BLOCK / 2 + 2 + 2);  // q, then float16 scales and mins
 constexpr int INT8_HALF = 4;   // int8 computes a tile as two halves of 4 rows
-constexpr int MAX_ROWS = 4;    // rows of x computed together, against one unpacked weight block
+// Rows of x computed together, against one unpacked weight block: the int4 kernel holds a float
+// accumulator per row beside the block's 8 unpacked vectors, which AVX-512's 32 vector registers
+// have room for 8 of (AVX2's 16, for 4).
+#if defined(__AVX512F__)
+constexpr int MAX_ROWS = 8;
+#else
+constexpr int MAX_ROWS = 4;
+#endif
 constexpr int CHUNK = 256;     // rows of x whose int8 copy stays in cache while a tile is read
 // Each thread streams its tiles from memory, and the hardware prefetcher alone left the memory bus
 // partly idle: asking for the bytes PREFETCH ahead of the block being computed made a batch-1 pass
@@ -116,10 +128,20 @@ static void quantize_rows(const T* x, int64_t x_stride, int M, int K, QuantizedR
                      &rows.rounding[size_t(m) * blocks + b]);
 }
 
-// Eight sums of four adjacent products, as floats: unsigned bytes u times signed bytes s.
+// acc plus eight sums of four adjacent products (in int32): unsigned bytes u times signed bytes s.
+// AVX-512 VNNI does it in one instruction (vpdpbusd); AVX2 in two, through int16 pairs (vpmaddubsw:
+// |u| <= 127 in int8, <= 15 in int4, so no pair saturates and both give the same integers).
+static inline __m256i dot_add_u8_s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// Eight sums of four adjacent products, as floats.
 static inline __m256 dot_u8_s8(__m256i u, __m256i s) {
-  const __m256i pairs = _mm256_maddubs_epi16(u, s);  // |u| <= 127 in int8, <= 15 in int4: no saturation
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return _mm256_cvtepi32_ps(dot_add_u8_s8(_mm256_setzero_si256(), u, s));
 }
 
 // x's 4 int8 values at p, in every 32-bit lane.
@@ -156,10 +178,17 @@ static void tile_int4(const QuantizedRows& x, int m, int K, const uint8_t* tile,
     const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 144)));
     for (int r = 0; r < ROWS; r++) {
       const int8_t* xq = &x.q[size_t(m + r) * K + b * BLOCK];
-      // Pairs of products summed in int16: at most 2 x 15 x 127 each, 8 x that over the block: no overflow.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      __m256i sums = _mm256_setzero_si256();
+      for (int g = 0; g < 8; g++) sums = dot_add_u8_s8(sums, w[g], broadcast4(xq + 4 * g));
+      const __m256 dots = _mm256_cvtepi32_ps(sums);
+#else
+      // Pairs of products summed in int16: at most 2 x 15 x 127 each, 8 x that over the block: no
+      // overflow, and one widening to int32 for the whole block instead of one per vector.
       __m256i pairs = _mm256_maddubs_epi16(w[0], broadcast4(xq));
       for (int g = 1; g < 8; g++) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[g], broadcast4(xq + 4 * g)));
       const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
       const size_t xb = size_t(m + r) * blocks + b;
       acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(scales, _mm256_set1_ps(x.scale[xb])), acc[r]);
       acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(x.sum[xb]), acc[r]);
@@ -170,6 +199,61 @@ static void tile_int4(const QuantizedRows& x, int m, int K, const uint8_t* tile,
   for (int r = 0; r < ROWS; r++) _mm256_storeu_ps(sums[r], acc[r]);
   store_rows<T, TILE>(sums, ROWS, bias, out + int64_t(m) * N, N);
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool INT4_PAIRS = true;
+// tile_int4 for two adjacent tiles at once, in 512-bit registers: lanes 0..7 hold the first tile's
+// rows, 8..15 the second's, so each instruction does twice the work (a speculative verify step's
+// few rows, and batched steps, are bound by these instructions, not by memory).
+template <int ROWS, typename T>
+static void tile_pair_int4(const QuantizedRows& x, int m, int K, const uint8_t* first, const T* bias, T* out,
+                           int64_t N) {
+  const int blocks = K / BLOCK;
+  const uint8_t* second = first + int64_t(blocks) * INT4_BLOCK_BYTES;
+  __m512 acc[ROWS];
+  for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+  for (int b = 0; b < blocks; b++) {
+    const uint8_t* block[2] = {first + b * INT4_BLOCK_BYTES, second + b * INT4_BLOCK_BYTES};
+    for (const uint8_t* half : block)
+      for (int line = 0; line < INT4_BLOCK_BYTES; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(half) + PREFETCH + line, _MM_HINT_T0);
+    __m512i w[8];
+    for (int c = 0; c < 4; c++) {
+      const __m512i run = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[0] + 32 * c))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[1] + 32 * c)), 1);
+      w[c] = _mm512_and_si512(run, _mm512_set1_epi8(15));
+      w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(run, 4), _mm512_set1_epi8(15));
+    }
+    const auto halves = [&](int offset) {  // the two tiles' 8 float16 values at offset, as 16 floats
+      return _mm512_cvtph_ps(_mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block[0] + offset))),
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block[1] + offset)), 1));
+    };
+    const __m512 scales = halves(128), mins = halves(144);
+    for (int r = 0; r < ROWS; r++) {
+      const int8_t* xq = &x.q[size_t(m + r) * K + b * BLOCK];
+      __m512i sums = _mm512_setzero_si512();
+      for (int g = 0; g < 8; g++) {
+        int32_t v;
+        std::memcpy(&v, xq + 4 * g, sizeof v);
+        sums = _mm512_dpbusd_epi32(sums, w[g], _mm512_set1_epi32(v));
+      }
+      const size_t xb = size_t(m + r) * blocks + b;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scales, _mm512_set1_ps(x.scale[xb])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(x.sum[xb]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(scales, _mm512_set1_ps(7.5f * x.rounding[xb]), acc[r]);
+    }
+  }
+  float sums[ROWS][2 * TILE];
+  for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(sums[r], acc[r]);
+  store_rows<T, 2 * TILE>(sums, ROWS, bias, out + int64_t(m) * N, N);
+}
+#else
+constexpr bool INT4_PAIRS = false;
+template <int ROWS, typename T>
+static void tile_pair_int4(const QuantizedRows&, int, int, const uint8_t*, const T*, T*, int64_t) {}
+#endif
 
 // ROWS rows of x (from row m) against half an int8 tile: 4 rows, the first at q, blocks TILE rows
 // apart; their scales are row_scales[0..3].
@@ -219,6 +303,18 @@ static void tile(const QuantizedRows& x, int m, int K, const char* w, const floa
                                         row_scales + half, bias ? bias + half : nullptr, out + half, N);
 }
 
+// Rows m..end-1 in groups, each computed by fn(std::integral_constant<int, ROWS>(), first row):
+// MAX_ROWS at a time, then the rest (a speculative verify step's few rows, say) in as few passes
+// over the weights as can be.
+template <typename Fn>
+static void row_groups(int m, int end, Fn fn) {
+  for (; m + MAX_ROWS <= end; m += MAX_ROWS) fn(std::integral_constant<int, MAX_ROWS>(), m);
+  for (; m + 4 <= end; m += 4) fn(std::integral_constant<int, 4>(), m);
+  if (end - m == 3) fn(std::integral_constant<int, 3>(), m);
+  if (end - m == 2) fn(std::integral_constant<int, 2>(), m);
+  if (end - m == 1) fn(std::integral_constant<int, 1>(), m);
+}
+
 // Rows are taken CHUNK at a time; within a chunk the threads share out the tiles, and each runs
 // all the chunk's rows against its tiles, MAX_ROWS at a time (int4 unpacks each weight block once
 // for them all). A decode step is one chunk, and reads the weight once.
@@ -234,17 +330,25 @@ static void quantized_linear(const T* x, int64_t x_stride, const void* w, const 
   const int tiles = N / TILE;
   const int64_t tile_bytes = row_scales ? int64_t(K) * TILE : int64_t(K / BLOCK) * INT4_BLOCK_BYTES;
   const char* weight = static_cast<const char*>(w);
+  const bool pairs = INT4_PAIRS && !row_scales;  // int4 tiles two at a time, where AVX-512 VNNI can
+  const int units = pairs ? (tiles + 1) / 2 : tiles;
   for (int chunk = 0; chunk < M; chunk += CHUNK) {
     const int chunk_end = std::min(M, chunk + CHUNK);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int t = 0; t < tiles; t++) {
+    for (int unit = 0; unit < units; unit++) {
+      const int t = unit * (pairs ? 2 : 1);
       const char* tile_w = weight + t * tile_bytes;
       const T* b = bias ? bias + t * TILE : nullptr;
       T* o = out + t * TILE;
       const float* s = row_scales ? row_scales + t * TILE : nullptr;
-      int m = chunk;
-      for (; m + MAX_ROWS <= chunk_end; m += MAX_ROWS) tile<MAX_ROWS>(rows, m, K, tile_w, s, b, o, N);
-      for (; m < chunk_end; m++) tile<1>(rows, m, K, tile_w, s, b, o, N);
+      if (pairs && t + 1 < tiles)
+        row_groups(chunk, chunk_end, [&](auto group, int m) {
+          tile_pair_int4<decltype(group)::value>(rows, m, K, reinterpret_cast<const uint8_t*>(tile_w), b, o, N);
+        });
+      else
+        row_groups(chunk, chunk_end, [&](auto group, int m) {
+          tile<decltype(group)::value>(rows, m, K, tile_w, s, b, o, N);
+        });
     }
   }
 }

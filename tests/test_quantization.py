@@ -73,7 +73,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, fmt: str) ->
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt,shape", [("int8", (40, 96)), ("int4", (40, 96)), ("int8", (8, 5 * GROUP_SIZE)),
                                        ("int4", (80, 5 * GROUP_SIZE))])
-@pytest.mark.parametrize("rows", [1, 2, 7, 300])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 9, 300])  # the kernel takes rows 8 (or 4), 4, 3, 2, 1 at a time
 @pytest.mark.parametrize("strided", [False, True])
 @torch.inference_mode()
 def test_quantized_linear_matches_its_arithmetic_in_torch(dtype, fmt, shape, rows, strided):

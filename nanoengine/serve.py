@@ -2,9 +2,9 @@
 
 FastAPI turns each request (its schema: openai_protocol.py) into token ids and
 ``SamplingParams``, hands them to the ``AsyncLLMEngine`` and turns what comes back (each sample's
-new tokens, their text and logprobs) into OpenAI's JSON: whole, or streamed as server-sent events
-in OpenAI's chunk format, one choice per prompt (a completions request may send a batch, and
-echo each prompt: openai_prompts.py) and sample (``n``). Stop strings and stop token ids are the
+new tokens, their text and logprobs) into OpenAI's JSON (openai_serving.py): whole, or streamed as
+server-sent events in OpenAI's chunk format, one choice per prompt (a completions request may send
+a batch, and echo each prompt: openai_prompts.py) and sample (``n``). Stop strings and stop token ids are the
 engine's, as offline. However a response ends (done, client gone), its request is aborted, so the
 KV blocks of a client that disconnects are freed at once. The event loop only moves bytes and
 text: prompts are tokenized and grammars compiled in worker threads, and the model runs on the
@@ -25,11 +25,7 @@ import argparse
 import asyncio
 import json
 import logging
-import time
-import uuid
 from contextlib import asynccontextmanager
-from dataclasses import replace
-from typing import AsyncIterator, Awaitable
 
 try:
     import fastapi  # noqa: F401
@@ -39,54 +35,19 @@ except ImportError as e:  # the server's dependencies are an extra: say which, r
     raise SystemExit(f"nanoengine.serve needs {e.name}, which the 'serve' extra installs: "
                      "pip install -e \".[serve]\"") from None
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from nanoengine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, RequestStream
+from nanoengine.async_engine import AsyncLLMEngine, EngineDeadError
 from nanoengine.limits import MAX_REQUEST_BODY_BYTES, engine_error_response, error_response, install_error_handlers
 from nanoengine.loader import DEFAULT_MODEL_FILE
-from nanoengine.metrics import RequestClock, ServerMetrics
-from nanoengine.openai_protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, OpenAIRequest,
-                                        chat_logprobs, completion_logprobs, error_body, sampling_params)
-from nanoengine.openai_prompts import Echo, prompt_batch, tokenize_batch, vllm_prompt_logprobs
+from nanoengine.metrics import ServerMetrics
+from nanoengine.openai_protocol import BadRequest, ChatCompletionRequest, CompletionRequest
+from nanoengine.openai_prompts import Echo, prompt_batch, tokenize_batch
+from nanoengine.openai_serving import generate
 from nanoengine.openai_structured import structured_outputs
 from nanoengine.request_log import RequestLog
-from nanoengine.sampling_params import StructuredOutputsParams
 from nanoengine.serving_tokenization import tokenization_router
 from nanoengine.tool_calls import ToolChoice
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events that abort their request however the response ends, a client gone included."""
-
-    def __init__(self, events: AsyncIterator[str], stream: RequestStream):
-        super().__init__(events, media_type="text/event-stream")
-        self.stream = stream
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.stream.abort()
-
-
-async def unless_disconnected(request: Request, work: Awaitable[dict]) -> dict | Response:
-    """Await ``work``, cancelling it (and so aborting its request) if the client disconnects first.
-
-    FastAPI has read the body, so the next ASGI message is the disconnect: waiting for it costs
-    nothing, where polling ``request.is_disconnected()`` would need a timer.
-    """
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-    work, disconnect = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait([work, disconnect], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        work.cancel()  # a no-op once it is done; otherwise its request is aborted as it unwinds
-        disconnect.cancel()
-    if work in done:
-        return work.result()
-    return Response(status_code=499)  # nginx's "client closed request": nobody is left to read it
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str,
@@ -103,115 +64,6 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
     app.add_middleware(RequestLog)  # request ids, and a log line for every 4xx and 5xx
     app.include_router(tokenization_router(engine))  # /tokenize and /detokenize
 
-    async def generate(request: Request, req: OpenAIRequest, prompt_ids: list[list[int]], max_tokens: int, chat: bool,
-                       logprobs: int | None, clock: RequestClock, prompt_logprobs: int | None = None,
-                       echo: Echo | None = None, structured: StructuredOutputsParams | None = None,
-                       tools: ToolChoice | None = None):
-        """Answer a request for one or more prompts (a completions batch): a choice per prompt and
-        sample, numbered ``prompt_index * n + sample_index``, as OpenAI and vLLM do."""
-        if req.prompt_logprobs is not None and req.stream:  # as in vLLM (echo's own go in the first chunk)
-            raise BadRequest("prompt_logprobs is not available with stream: true", "prompt_logprobs")
-        params = replace(sampling_params(req, max_tokens, logprobs), prompt_logprobs=prompt_logprobs,
-                         structured_outputs=structured)
-        stream = await engine.add_requests(prompt_ids, params)
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": model_name}
-        num_choices = len(prompt_ids) * req.n
-        num_tokens = [0] * num_choices  # per choice
-        scored = [None] * len(prompt_ids)  # per prompt, the engine's prompt_logprobs, if asked
-        # Per chat choice, with tools: its text split into content and tool calls (tool_parser.py).
-        parsers = [tools.parser() if tools else None for _ in range(num_choices)]
-
-        def usage() -> dict:
-            n, num_prompt_tokens = sum(num_tokens), sum(map(len, prompt_ids))
-            return {"prompt_tokens": num_prompt_tokens, "completion_tokens": n, "total_tokens": num_prompt_tokens + n}
-
-        def choice(index: int, text: str, finish_reason: str | None, token_logprobs: list | None, offset: int) -> dict:
-            """A choice of a response, or of a chunk when streaming; ``offset``: the length of its text before."""
-            logprobs_json = None
-            if logprobs is not None and token_logprobs:
-                logprobs_json = (chat_logprobs(engine.tokenizer, token_logprobs, logprobs) if chat
-                                 else completion_logprobs(engine.tokenizer, token_logprobs, offset))
-            calls = None
-            if (parser := parsers[index]) is not None:  # streamed: the calls' deltas; whole: the calls
-                text, calls = parser.feed(text, final=finish_reason is not None or not req.stream)
-                calls = calls if req.stream else parser.calls
-                finish_reason = "tool_calls" if finish_reason == "stop" and parser.calls else finish_reason
-            if chat and req.stream:
-                content = {"delta": {"content": text} if text else {}}
-                content["delta"].update({"tool_calls": calls} if calls else {})
-            else:
-                message = {"role": "assistant", "content": text, "refusal": None}
-                message.update({"content": text or None, "tool_calls": calls} if calls else {})
-                content = {"message": message} if chat else {"text": text}
-            return {"index": index, "logprobs": logprobs_json, "finish_reason": finish_reason, **content}
-
-        async def whole() -> dict:
-            texts, token_logprobs = [[] for _ in range(num_choices)], [[] for _ in range(num_choices)]
-            finish_reasons = [None] * num_choices
-            try:
-                async for out in stream:
-                    clock.output(out.step)
-                    if out.prompt_logprobs is not None:
-                        scored[out.index // req.n] = out.prompt_logprobs
-                    out = echo(out) if echo is not None else out
-                    texts[out.index].append(out.text)
-                    num_tokens[out.index] += len(out.token_ids)
-                    finish_reasons[out.index] = out.finish_reason
-                    token_logprobs[out.index] += out.logprobs or []
-            except EngineError:
-                clock.finish("error")
-                raise
-            finally:
-                stream.abort()
-                clock.finish(finish_reasons[0] or "abort")  # unfinished: the client left
-            choices = [choice(i, "".join(texts[i]), finish_reasons[i], token_logprobs[i], 0) for i in range(num_choices)]
-            if req.prompt_logprobs is not None:  # vLLM's extension: in each choice, or in a chat response
-                shaped = [vllm_prompt_logprobs(engine.tokenizer, s, prompt_logprobs) for s in scored]
-                if chat:
-                    head["prompt_logprobs"] = shaped[0]
-                else:
-                    for c in choices:
-                        c["prompt_logprobs"] = shaped[c["index"] // req.n]
-            return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                    "usage": usage(), "system_fingerprint": None}  # as vLLM sends it
-
-        if not req.stream:
-            return await unless_disconnected(request, whole())
-
-        async def events() -> AsyncIterator[str]:
-            obj = "chat.completion.chunk" if chat else "text_completion"
-
-            def event(choice: dict) -> str:
-                return f"data: {json.dumps({**head, 'object': obj, 'choices': [choice]})}\n\n"
-
-            if chat:
-                for i in range(req.n):
-                    yield event({"index": i, "logprobs": None, "finish_reason": None, "delta": {"role": "assistant"}})
-            text_lengths, finish_reason = [0] * num_choices, "abort"  # until sample 0 ends: the client may leave first
-            try:
-                async for out in stream:
-                    clock.output(out.step)
-                    if out.finish_reason and out.index == 0:
-                        finish_reason = out.finish_reason
-                    out = echo(out) if echo is not None else out
-                    if out.text or out.finish_reason or out.logprobs:
-                        yield event(choice(out.index, out.text, out.finish_reason, out.logprobs,
-                                           text_lengths[out.index]))
-                    text_lengths[out.index] += len(out.text)
-                    num_tokens[out.index] += len(out.token_ids)
-            except EngineError as e:  # the status line has gone out: the error can only be an event
-                finish_reason = "error"
-                yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
-            else:
-                if (req.stream_options or {}).get("include_usage"):
-                    yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': usage()})}\n\n"
-            finally:
-                clock.finish(finish_reason)
-            yield "data: [DONE]\n\n"
-
-        return EventStream(events(), stream)
-
     # Tokenizing and templating run in a worker thread (``asyncio.to_thread``): on the event loop a
     # long prompt would hold up every stream's next token. The fast tokenizer encodes through the
     # Rust library, which releases the GIL; a template (Python) shares it at the interpreter's
@@ -226,7 +78,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
             if req.echo else None
         # Echo with logprobs scores the prompt: its tokens' logprobs, as many top ones as the sampled tokens'.
         prompt_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
-        return await generate(request, req, prompt_ids, 1 if echo and echo.drop_sample else max_tokens, chat=False,
+        return await generate(engine, model_name, request, req, prompt_ids, 1 if echo and echo.drop_sample else max_tokens, chat=False,
                               logprobs=req.logprobs, clock=clock, prompt_logprobs=prompt_logprobs, echo=echo,
                               structured=await structured_outputs(engine, req))
 
@@ -250,7 +102,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
         max_tokens = next((m for m in (req.max_tokens, req.max_completion_tokens) if m is not None),
                           max(1, max_model_len - len(prompt_ids)))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return await generate(request, req, [prompt_ids], max_tokens, chat=True, logprobs=logprobs, clock=clock,
+        return await generate(engine, model_name, request, req, [prompt_ids], max_tokens, chat=True, logprobs=logprobs, clock=clock,
                               prompt_logprobs=req.prompt_logprobs,
                               structured=await structured_outputs(engine, req, tools.grammar), tools=tools)
 

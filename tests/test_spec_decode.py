@@ -29,9 +29,9 @@ PROMPTS = [PREFIX + [7, 8, 9, 7, 8], PREFIX + list(range(300, 340)), [5, 6, 5, 6
 
 
 @contextlib.contextmanager
-def oracle(spec: LLM, prompts: list[list[int]], reference: list[dict]):
+def oracle(spec: LLM, prompts: list[list[int]], reference: list[dict], proposer=OracleProposer):
     """``spec`` drafting from ``reference``'s completions for the duration."""
-    proposer, spec.proposer = spec.proposer, OracleProposer(prompts, [r["token_ids"] for r in reference])
+    proposer, spec.proposer = spec.proposer, proposer(prompts, [r["token_ids"] for r in reference])
     try:
         yield
     finally:
@@ -256,3 +256,28 @@ def test_no_drafts_once_disable_by_batch_size_sequences_run(tiny_models):
     ours = llm.generate(PROMPTS[:3], greedy, use_tqdm=False)
     assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in reference]
     assert batches and max(batches) == 1  # drafts only for the last request, alone
+
+
+def test_structured_requests_get_no_drafts_beside_requests_that_do(engines):
+    """A grammar's sequence is never given drafts (its mask would have to follow each one); the
+    requests beside it in the batch still verify theirs, and nothing changes in either's output."""
+    pytest.importorskip("llguidance")
+    from nanoengine import StructuredOutputsParams
+    plain, spec = engines["llama"]
+    choice = StructuredOutputsParams(choice=["yes", "no", "it depends"])
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, structured_outputs=choice)]
+    prompts = [PROMPTS[0], "Is the sea blue?"]
+    reference = plain.generate(prompts, params, use_tqdm=False)
+    constrained = []
+
+    class Recording(OracleProposer):
+        def propose(self, seqs, max_drafts):
+            constrained.extend(seq.grammar is not None for seq in seqs)
+            return super().propose(seqs, max_drafts)
+    with oracle(spec, PROMPTS[:1], reference[:1], Recording):
+        before = spec_stats(spec)
+        ours = spec.generate(prompts, params, use_tqdm=False)
+    assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in reference]
+    assert ours[1]["text"] in choice.choice and constrained and not any(constrained)
+    assert spec_stats(spec)["num_accepted_tokens"] > before["num_accepted_tokens"]

@@ -1,9 +1,11 @@
 """The engine: the public face of nanoengine and the loop that drives everything else.
 
 ``LLMEngine`` takes requests (``add_request``), advances all of them by one step at a time
-(``step``: schedule -> run the model -> postprocess), and lets a caller drop a request
-(``abort_request``). A request is a sequence group: its first sequence's ``group`` lists the
-``n`` samples once they are forked. ``LLM`` (llm.py) is the offline API built on those three calls.
+(``step``: schedule -> run the model -> postprocess, then, with speculative decoding, the drafts
+the next step will verify: spec_decode.py), and lets a caller drop a request (``abort_request``).
+A request is a sequence group: its first sequence's ``group`` lists the ``n`` samples once they
+are forked. ``LLM`` (llm.py) is the offline API built on those three calls. Prompts are checked
+and tokenized before anything is queued (input_processor.py).
 
 A step that raises or is interrupted (an exception in the model, Ctrl-C in a notebook) ends the
 sequences it was running, frees their blocks and re-raises; every other request, and the prefix

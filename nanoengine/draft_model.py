@@ -34,7 +34,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30)
 
 class DraftModelProposer:
     def __init__(self, spec: SpeculativeConfig, config: Config, target: PretrainedConfig, num_kvcache_blocks: int):
-        path = checkpoint_directory(resolve_model_path(spec.model))
+        try:
+            path = checkpoint_directory(resolve_model_path(spec.model))
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model: {e}") from None
         draft = load_hf_config(path)
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"speculative_config.model has a vocabulary of {draft.vocab_size} tokens, the target "

@@ -55,7 +55,8 @@ class DecodeGraphRunner:
                  device: torch.device, dtype: torch.dtype, use_graphs: bool, max_query_len: int = 1):
         self.model, self.max_query_len, self.max_seqlen_k = model, max_query_len, 0
         self.buckets = decode_buckets(max_num_seqs)
-        max_tokens = max_num_seqs * max_query_len
+        # Verify steps (several tokens a sequence) are recorded only up to CPU_GRAPH_MAX_BATCH sequences.
+        max_tokens = max(max_num_seqs, min(max_num_seqs, CPU_GRAPH_MAX_BATCH) * max_query_len)
         with torch.device(device):
             self.input_ids = torch.zeros(max_tokens, dtype=torch.int64)
             self.positions = torch.zeros(max_tokens, dtype=torch.int64)

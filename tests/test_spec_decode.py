@@ -178,7 +178,10 @@ def test_draft_model_equal_to_the_target_has_every_greedy_draft_accepted(tiny_mo
         assert spec.proposer.block_manager.num_used_blocks == 0  # the draft's cache is given back too
 
 
-def test_a_draft_model_of_another_vocabulary_is_refused(tiny_models, tmp_path, tokenizer):
+def test_a_draft_model_that_is_missing_or_of_another_vocabulary_is_refused(tiny_models, tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="speculative_config.model: .*does not exist"):
+        LLM(tiny_models["llama"], dtype="float32", speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
+                                                                       "model": os.fspath(tmp_path / "nowhere")})
     path = make_tiny_model(os.fspath(tmp_path / "draft"), "llama", tokenizer, vocab_size=len(tokenizer) + 64)
     with pytest.raises(ValueError, match="must share the target's tokenizer"):
         LLM(tiny_models["llama"], dtype="float32", speculative_config={"method": "draft_model", "model": path,

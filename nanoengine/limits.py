@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from nanoengine.async_engine import EngineDeadError, EngineError
-from nanoengine.openai_protocol import BadRequest, ChatCompletionRequest, CompletionRequest, error_body
+from nanoengine.openai_chat_protocol import ChatCompletionRequest
+from nanoengine.openai_protocol import BadRequest, CompletionRequest, error_body
 
 # A prompt of 4,096 tokens (the default max_model_len) is some tens of KB of JSON: 4 MiB leaves room
 # for long conversations and escaped text while bounding what one request makes the server hold.

@@ -1,5 +1,5 @@
-"""OpenAI's API as the server reads it and answers it: the request bodies, their translation into
-``SamplingParams``, and the shapes of logprobs in a response.
+"""OpenAI's API as the server reads it: the request bodies (the chat API's messages and tools in
+openai_chat_protocol.py) and their translation into ``SamplingParams``.
 
 Every field of OpenAI's chat and completions APIs is declared, so none is a surprise: it is
 honoured; or accepted and ignored, because it cannot change the output here (``IGNORED``, the
@@ -13,7 +13,6 @@ Errors, whatever raised them, reach the client as OpenAI's error body (``error_b
 
 import json
 import logging
-from itertools import accumulate
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
@@ -167,118 +166,6 @@ class CompletionRequest(OpenAIRequest):
     suffix: Annotated[str | None, no_op(None, why="there is no fill-in-the-middle")] = None
 
 
-class TextPart(Schema):
-    type: Literal["text"]
-    text: str
-
-
-def _json_text(text: str) -> str:
-    try:
-        json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"must be JSON text: {e}") from None
-    return text
-
-
-class FunctionCall(Schema):
-    name: str
-    arguments: Annotated[str, AfterValidator(_json_text)]  # JSON text, as a response gives it
-
-
-class ToolCall(Schema):
-    """A call an assistant message made, as a response gave it and a client sends it back."""
-    id: str
-    type: Literal["function"]
-    function: FunctionCall
-
-
-class ChatMessage(Schema):
-    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer name for system
-    content: str | list[TextPart] | None = None  # None only in an assistant message with tool_calls
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant message's
-    tool_call_id: str | None = None  # a tool message's: the call it answers
-    # What an assistant message of an earlier response holds when a client sends it back.
-    refusal: Annotated[str | None, no_op(None, why="a refusal cannot be written into the chat template")] = None
-    function_call: Annotated[dict | None, no_op(None, why="functions are deprecated: use tools")] = None
-    audio: Annotated[dict | None, no_op(None, why="only text is generated")] = None
-
-    @model_validator(mode="after")
-    def fields_of_its_role(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required, except in an assistant message with tool_calls")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError(f"tool_calls are an assistant message's, not a {self.role} message's")
-        if (self.role == "tool") != (self.tool_call_id is not None):
-            raise ValueError("tool_call_id is required in a tool message, and only there")
-        return self
-
-    def for_template(self) -> dict:
-        """The message as the chat template reads it: content parts joined by newlines, as vLLM
-        does, developer as system, and a tool call's arguments as an object (what templates, and
-        HF's chat-template guide, expect; vLLM does the same)."""
-        content = self.content or ""
-        text = content if isinstance(content, str) else "\n".join(part.text for part in content)
-        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
-        if self.tool_calls:
-            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
-                "name": call.function.name, "arguments": json.loads(call.function.arguments)}}
-                for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
-
-
-class FunctionDefinition(Schema):
-    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule for a function's name
-    description: str | None = None
-    parameters: dict | None = None  # a JSON schema; none: the function takes no arguments
-    strict: bool | None = None  # strict or not, a forced call's arguments follow the schema
-
-
-class Tool(Schema):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(Schema):
-    name: str
-
-
-class NamedToolChoice(Schema):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class ChatCompletionRequest(OpenAIRequest):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # the newer name for max_tokens
-    logprobs: bool | None = None
-    top_logprobs: int | None = None  # with logprobs: how many top tokens' logprobs beside each sampled one
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables
-    # Tools (tool_calls.py): none, "auto", "required" or a named function; default "auto" with tools.
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # false: at most one call
-    functions: Annotated[list | None, no_op(None, [], why="functions are deprecated: use tools")] = None
-    function_call: Annotated[str | dict | None, no_op(None, "none", "auto",
-                                                      why="functions are deprecated: use tools")] = None
-    modalities: Annotated[list[str] | None, no_op(None, ["text"], why="only text is generated")] = None
-    audio: Annotated[dict | None, no_op(None, why="only text is generated")] = None
-    web_search_options: Annotated[dict | None, no_op(None, why="there is no web search")] = None
-    verbosity: Annotated[str | None, no_op(None, "medium", why="the model's verbosity cannot be set")] = None
-    moderation: Annotated[dict | None, no_op(None, why="there is no moderation")] = None
-    reasoning_effort: str | None = None
-    prediction: dict | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
-    prompt_cache_options: dict | None = None
-
-
 def sampling_params(req: OpenAIRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
     return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
                           ignore_eos=req.ignore_eos, max_tokens=max_tokens, n=req.n, logprobs=logprobs,
@@ -286,27 +173,3 @@ def sampling_params(req: OpenAIRequest, max_tokens: int, logprobs: int | None) -
                           frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                           min_p=req.min_p, min_tokens=req.min_tokens,
                           logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()})
-
-
-def completion_logprobs(tokenizer, logprobs: list[dict[int, float | None]], offset: int) -> dict:
-    """The completions API's shape: each token's text and logprob, its top alternatives by text,
-    and where each token's text starts (``offset``: the length of the choice's text before them).
-    An echoed prompt's first token has no logprob (nothing before it predicts it): its entry is
-    ``{token_id: None}``, and its logprob and top alternatives are null."""
-    tokens = [tokenizer.decode([next(iter(top))]) for top in logprobs]
-    starts = list(accumulate(map(len, tokens), initial=offset))[:-1]
-    token_logprobs = [next(iter(top.values())) for top in logprobs]
-    return {"tokens": tokens, "token_logprobs": token_logprobs,
-            "top_logprobs": [None if lp is None else {tokenizer.decode([t]): v for t, v in top.items()}
-                             for top, lp in zip(logprobs, token_logprobs)],
-            "text_offset": starts}
-
-
-def chat_logprobs(tokenizer, logprobs: list[dict[int, float]], num_top: int) -> dict:
-    """The chat API's shape: per token its text, bytes, logprob and its ``num_top`` best alternatives."""
-    def entry(token_id: int, logprob: float) -> dict:
-        text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-    return {"content": [{**entry(*next(iter(top.items()))),
-                         "top_logprobs": [entry(*item) for item in sorted(top.items(), key=lambda x: -x[1])[:num_top]]}
-                        for top in logprobs]}

@@ -14,6 +14,7 @@ import json
 import time
 import uuid
 from dataclasses import replace
+from itertools import accumulate
 from typing import AsyncIterator, Awaitable
 
 from fastapi import Request
@@ -21,8 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from nanoengine.async_engine import AsyncLLMEngine, EngineError, RequestStream
 from nanoengine.metrics import RequestClock
-from nanoengine.openai_protocol import (BadRequest, OpenAIRequest, chat_logprobs, completion_logprobs, error_body,
-                                        sampling_params)
+from nanoengine.openai_protocol import BadRequest, OpenAIRequest, error_body, sampling_params
 from nanoengine.openai_prompts import Echo, vllm_prompt_logprobs
 from nanoengine.sampling_params import StructuredOutputsParams
 from nanoengine.tool_calls import ToolChoice
@@ -171,3 +171,27 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
         yield "data: [DONE]\n\n"
 
     return EventStream(events(), stream)
+
+
+def completion_logprobs(tokenizer, logprobs: list[dict[int, float | None]], offset: int) -> dict:
+    """The completions API's shape: each token's text and logprob, its top alternatives by text,
+    and where each token's text starts (``offset``: the length of the choice's text before them).
+    An echoed prompt's first token has no logprob (nothing before it predicts it): its entry is
+    ``{token_id: None}``, and its logprob and top alternatives are null."""
+    tokens = [tokenizer.decode([next(iter(top))]) for top in logprobs]
+    starts = list(accumulate(map(len, tokens), initial=offset))[:-1]
+    token_logprobs = [next(iter(top.values())) for top in logprobs]
+    return {"tokens": tokens, "token_logprobs": token_logprobs,
+            "top_logprobs": [None if lp is None else {tokenizer.decode([t]): v for t, v in top.items()}
+                             for top, lp in zip(logprobs, token_logprobs)],
+            "text_offset": starts}
+
+
+def chat_logprobs(tokenizer, logprobs: list[dict[int, float]], num_top: int) -> dict:
+    """The chat API's shape: per token its text, bytes, logprob and its ``num_top`` best alternatives."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"content": [{**entry(*next(iter(top.items()))),
+                         "top_logprobs": [entry(*item) for item in sorted(top.items(), key=lambda x: -x[1])[:num_top]]}
+                        for top in logprobs]}

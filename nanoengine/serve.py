@@ -1,11 +1,11 @@
 """An OpenAI-compatible HTTP server: ``python -m nanoengine.serve --model PATH --port 8000``.
 
-FastAPI turns each request (its schema: openai_protocol.py) into token ids and
-``SamplingParams``, hands them to the ``AsyncLLMEngine`` and turns what comes back (each sample's
-new tokens, their text and logprobs) into OpenAI's JSON (openai_serving.py): whole, or streamed as
-server-sent events in OpenAI's chunk format, one choice per prompt (a completions request may send
-a batch, and echo each prompt: openai_prompts.py) and sample (``n``). Stop strings and stop token ids are the
-engine's, as offline. However a response ends (done, client gone), its request is aborted, so the
+FastAPI turns each request (its schema: openai_protocol.py, openai_chat_protocol.py) into token
+ids and ``SamplingParams``, hands them to the ``AsyncLLMEngine`` and turns what comes back (each
+sample's new tokens, their text and logprobs) into OpenAI's JSON (openai_serving.py): whole, or
+streamed as server-sent events in OpenAI's chunk format, one choice per prompt (a completions
+request may send a batch, and echo each prompt: openai_prompts.py) and sample (``n``). Stop
+strings and stop token ids are the engine's, as offline. However a response ends (done, client gone), its request is aborted, so the
 KV blocks of a client that disconnects are freed at once. The event loop only moves bytes and
 text: prompts are tokenized and grammars compiled in worker threads, and the model runs on the
 engine's own thread. What a request's output must follow (``response_format``, vLLM's extras, a
@@ -41,7 +41,8 @@ from nanoengine.async_engine import AsyncLLMEngine, EngineDeadError
 from nanoengine.limits import MAX_REQUEST_BODY_BYTES, engine_error_response, error_response, install_error_handlers
 from nanoengine.loader import DEFAULT_MODEL_FILE
 from nanoengine.metrics import ServerMetrics
-from nanoengine.openai_protocol import BadRequest, ChatCompletionRequest, CompletionRequest
+from nanoengine.openai_chat_protocol import ChatCompletionRequest
+from nanoengine.openai_protocol import BadRequest, CompletionRequest
 from nanoengine.openai_prompts import Echo, prompt_batch, tokenize_batch
 from nanoengine.openai_serving import generate
 from nanoengine.openai_structured import structured_outputs

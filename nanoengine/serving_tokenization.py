@@ -18,7 +18,8 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict
 
 from nanoengine.async_engine import AsyncLLMEngine
-from nanoengine.openai_protocol import BadRequest, ChatMessage
+from nanoengine.openai_chat_protocol import ChatMessage
+from nanoengine.openai_protocol import BadRequest
 
 
 class TokenizeRequest(BaseModel):

@@ -19,7 +19,8 @@ import json
 from dataclasses import dataclass
 
 from nanoengine.async_engine import AsyncLLMEngine
-from nanoengine.openai_protocol import BadRequest, ChatCompletionRequest
+from nanoengine.openai_chat_protocol import ChatCompletionRequest
+from nanoengine.openai_protocol import BadRequest
 from nanoengine.tool_parser import END, START, ToolCallParser
 
 

@@ -18,7 +18,8 @@ httpx = pytest.importorskip("httpx")
 from pydantic import ValidationError  # noqa: E402
 
 from nanoengine import LLM, SamplingParams  # noqa: E402
-from nanoengine.openai_protocol import IGNORED, ChatCompletionRequest, ChatMessage, CompletionRequest  # noqa: E402
+from nanoengine.openai_chat_protocol import ChatCompletionRequest, ChatMessage  # noqa: E402
+from nanoengine.openai_protocol import IGNORED, CompletionRequest  # noqa: E402
 from tests.conftest import with_chat_template  # noqa: E402
 from tests.test_serve import (REPO_ROOT, chat_prompt_ids, client, in_process_server, llm, model_name,  # noqa: E402,F401
                               offline, server, server_log)

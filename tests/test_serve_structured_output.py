@@ -20,7 +20,8 @@ jsonschema = pytest.importorskip("jsonschema")
 from pydantic import BaseModel, Field  # noqa: E402
 
 from nanoengine import LLM  # noqa: E402
-from nanoengine.openai_protocol import BadRequest, ChatCompletionRequest  # noqa: E402
+from nanoengine.openai_chat_protocol import ChatCompletionRequest  # noqa: E402
+from nanoengine.openai_protocol import BadRequest  # noqa: E402
 from nanoengine.sampling_params import StructuredOutputsParams  # noqa: E402
 from nanoengine.tool_calls import ToolChoice  # noqa: E402
 from tests.conftest import with_chat_template  # noqa: E402

@@ -1,0 +1,125 @@
+"""The chat completions API's request body: its messages (content parts, tool calls made and
+answered) and its tools, on top of the fields every request shares (openai_protocol.py).
+
+A message becomes what the chat template reads through ``ChatMessage.for_template``; tools and
+``tool_choice`` are tool_calls.py's to act on.
+"""
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field, model_validator
+
+from nanoengine.openai_protocol import OpenAIRequest, Schema, no_op
+
+
+class TextPart(Schema):
+    type: Literal["text"]
+    text: str
+
+
+def _json_text(text: str) -> str:
+    try:
+        json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"must be JSON text: {e}") from None
+    return text
+
+
+class FunctionCall(Schema):
+    name: str
+    arguments: Annotated[str, AfterValidator(_json_text)]  # JSON text, as a response gives it
+
+
+class ToolCall(Schema):
+    """A call an assistant message made, as a response gave it and a client sends it back."""
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatMessage(Schema):
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer name for system
+    content: str | list[TextPart] | None = None  # None only in an assistant message with tool_calls
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant message's
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+    # What an assistant message of an earlier response holds when a client sends it back.
+    refusal: Annotated[str | None, no_op(None, why="a refusal cannot be written into the chat template")] = None
+    function_call: Annotated[dict | None, no_op(None, why="functions are deprecated: use tools")] = None
+    audio: Annotated[dict | None, no_op(None, why="only text is generated")] = None
+
+    @model_validator(mode="after")
+    def fields_of_its_role(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required, except in an assistant message with tool_calls")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls are an assistant message's, not a {self.role} message's")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool_call_id is required in a tool message, and only there")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as the chat template reads it: content parts joined by newlines, as vLLM
+        does, developer as system, and a tool call's arguments as an object (what templates, and
+        HF's chat-template guide, expect; vLLM does the same)."""
+        content = self.content or ""
+        text = content if isinstance(content, str) else "\n".join(part.text for part in content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": json.loads(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(Schema):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule for a function's name
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; none: the function takes no arguments
+    strict: bool | None = None  # strict or not, a forced call's arguments follow the schema
+
+
+class Tool(Schema):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Schema):
+    name: str
+
+
+class NamedToolChoice(Schema):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # the newer name for max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None  # with logprobs: how many top tokens' logprobs beside each sampled one
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables
+    # Tools (tool_calls.py): none, "auto", "required" or a named function; default "auto" with tools.
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
+    functions: Annotated[list | None, no_op(None, [], why="functions are deprecated: use tools")] = None
+    function_call: Annotated[str | dict | None, no_op(None, "none", "auto",
+                                                      why="functions are deprecated: use tools")] = None
+    modalities: Annotated[list[str] | None, no_op(None, ["text"], why="only text is generated")] = None
+    audio: Annotated[dict | None, no_op(None, why="only text is generated")] = None
+    web_search_options: Annotated[dict | None, no_op(None, why="there is no web search")] = None
+    verbosity: Annotated[str | None, no_op(None, "medium", why="the model's verbosity cannot be set")] = None
+    moderation: Annotated[dict | None, no_op(None, why="there is no moderation")] = None
+    reasoning_effort: str | None = None
+    prediction: dict | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None

@@ -1,16 +1,16 @@
 """An OpenAI-compatible HTTP server: ``python -m nanoengine.serve --model PATH --port 8000``.
 
-FastAPI turns each request (its schema: openai_protocol.py, openai_chat_protocol.py) into token
-ids and ``SamplingParams``, hands them to the ``AsyncLLMEngine`` and turns what comes back (each
+FastAPI turns each request (its schema: openai_protocol.py, openai_chat_protocol.py) into token ids
+and ``SamplingParams``, hands them to the ``AsyncLLMEngine`` and turns what comes back (each
 sample's new tokens, their text and logprobs) into OpenAI's JSON (openai_serving.py): whole, or
 streamed as server-sent events in OpenAI's chunk format, one choice per prompt (a completions
-request may send a batch, and echo each prompt: openai_prompts.py) and sample (``n``). Stop
-strings and stop token ids are the engine's, as offline. However a response ends (done, client gone), its request is aborted, so the
-KV blocks of a client that disconnects are freed at once. The event loop only moves bytes and
-text: prompts are tokenized and grammars compiled in worker threads, and the model runs on the
-engine's own thread. What a request's output must follow (``response_format``, vLLM's extras, a
-forced tool call) is openai_structured.py's to read; tools, tool_calls.py's; with tools, each chat
-choice's text is split into content and tool calls by tool_parser.py.
+request may send a batch, and echo each prompt: openai_prompts.py) and sample (``n``). Stop strings
+and stop token ids are the engine's, as offline. However a response ends (done, client gone), its
+request is aborted, so the KV blocks of a client that disconnects are freed at once. The event loop
+only moves bytes and text: prompts are tokenized and grammars compiled in worker threads, and the
+model runs on the engine's own thread. What a request's output must follow (``response_format``,
+vLLM's extras, a forced tool call) is openai_structured.py's to read; tools, tool_calls.py's; with
+tools, each chat choice's text is split into content and tool calls by tool_parser.py.
 
 Errors are OpenAI's JSON (limits.py): 400 for a bad request, 413 for a body over
 ``--max-request-body-bytes``, 500 when the step running a request failed (in a stream: an error

@@ -22,6 +22,11 @@ After each step ``postprocess`` is the one place a sequence's new token lands: a
 sample forks its other samples here, and every stop condition (EOS, ``stop_token_ids``, a
 ``stop`` string in the detokenized text, length) is checked here, for ``generate`` and the server
 alike.
+
+With speculative decoding (spec_decode.py) a decoding sequence may also bring drafts, guesses at
+its next tokens: its step computes them after its newest token, in *lookahead slots*, as far as
+the budget and the free blocks allow (a draft never preempts anyone). ``postprocess`` then
+appends the tokens the rejection sampler accepted, and takes the rejected drafts' positions back.
 """
 
 from collections import deque

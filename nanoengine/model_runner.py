@@ -3,7 +3,9 @@
 Each step it packs the scheduled sequences into flat input tensors, builds the step's attention
 metadata (slot mapping, cu_seqlens or context lengths, block tables), runs the model, and
 samples one token per sample row: one per sequence, or ``n`` from one logit row at a request's
-first sample. Logprobs are computed only when some sequence of the step asks for them.
+first sample; a sequence that brought speculative drafts is scored at each of them too, and the
+rejection sampler decides how many tokens it keeps. Logprobs are computed only when some sequence
+of the step asks for them.
 
 With tensor parallelism every rank has a model runner over its shard of the model and its own KV
 cache (its kv heads); rank 0's also sends each step's inputs to the others (``compute_logits``),
@@ -239,4 +241,3 @@ class ModelRunner:
         if ctx.is_prefill:
             hidden = hidden[ctx.logits_indices]
         return self.model.compute_logits(hidden)
-

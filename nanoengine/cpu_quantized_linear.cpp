@@ -336,18 +336,28 @@ static void tile_int8_wide(const QuantizedRows& x, int m, int K, const int8_t* q
 }
 #endif
 
+// Rows m..end-1 in groups, each computed by fn(std::integral_constant<int, ROWS>(), first row):
+// MOST at a time, then the rest (a speculative verify step's few rows, say) in as few passes over
+// the weights as can be.
+template <int MOST, typename Fn>
+static void row_groups(int m, int end, Fn fn) {
+  for (; m + MOST <= end; m += MOST) fn(std::integral_constant<int, MOST>(), m);
+  for (; m + 4 <= end; m += 4) fn(std::integral_constant<int, 4>(), m);
+  if (end - m == 3) fn(std::integral_constant<int, 3>(), m);
+  if (end - m == 2) fn(std::integral_constant<int, 2>(), m);
+  if (end - m == 1) fn(std::integral_constant<int, 1>(), m);
+}
+
 // ROWS rows of x against one tile, in either format.
 template <int ROWS, typename T>
 static void tile(const QuantizedRows& x, int m, int K, const char* w, const float* row_scales, const T* bias,
                  T* out, int64_t N) {
   if (!row_scales) return tile_int4<ROWS>(x, m, K, reinterpret_cast<const uint8_t*>(w), bias, out, N);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  for (int r = 0; r < ROWS; r += 4)  // 4 x 4 accumulators per row of x, at most
-    ROWS - r >= 4 ? tile_int8_wide<4>(x, m + r, K, reinterpret_cast<const int8_t*>(w), row_scales, bias, out, N)
-    : ROWS - r == 3 ? tile_int8_wide<3>(x, m + r, K, reinterpret_cast<const int8_t*>(w), row_scales, bias, out, N)
-    : ROWS - r == 2 ? tile_int8_wide<2>(x, m + r, K, reinterpret_cast<const int8_t*>(w), row_scales, bias, out, N)
-                    : tile_int8_wide<1>(x, m + r, K, reinterpret_cast<const int8_t*>(w), row_scales, bias, out, N);
-  return;
+  // 4 x 4 accumulators per row of x, at most.
+  return row_groups<4>(m, m + ROWS, [&](auto group, int r) {
+    tile_int8_wide<decltype(group)::value>(x, r, K, reinterpret_cast<const int8_t*>(w), row_scales, bias, out, N);
+  });
 #endif
   for (int half = 0; half < TILE; half += INT8_HALF)  // 2 x 4 accumulators per row of x, at most
     for (int r = 0; r < ROWS; r += 2)
@@ -355,18 +365,6 @@ static void tile(const QuantizedRows& x, int m, int K, const char* w, const floa
                                         row_scales + half, bias ? bias + half : nullptr, out + half, N)
                     : half_tile_int8<1>(x, m + r, K, reinterpret_cast<const int8_t*>(w) + half * BLOCK,
                                         row_scales + half, bias ? bias + half : nullptr, out + half, N);
-}
-
-// Rows m..end-1 in groups, each computed by fn(std::integral_constant<int, ROWS>(), first row):
-// MAX_ROWS at a time, then the rest (a speculative verify step's few rows, say) in as few passes
-// over the weights as can be.
-template <typename Fn>
-static void row_groups(int m, int end, Fn fn) {
-  for (; m + MAX_ROWS <= end; m += MAX_ROWS) fn(std::integral_constant<int, MAX_ROWS>(), m);
-  for (; m + 4 <= end; m += 4) fn(std::integral_constant<int, 4>(), m);
-  if (end - m == 3) fn(std::integral_constant<int, 3>(), m);
-  if (end - m == 2) fn(std::integral_constant<int, 2>(), m);
-  if (end - m == 1) fn(std::integral_constant<int, 1>(), m);
 }
 
 // Rows are taken CHUNK at a time; within a chunk the threads share out the tiles, and each runs
@@ -396,11 +394,11 @@ static void quantized_linear(const T* x, int64_t x_stride, const void* w, const 
       T* o = out + t * TILE;
       const float* s = row_scales ? row_scales + t * TILE : nullptr;
       if (pairs && t + 1 < tiles)
-        row_groups(chunk, chunk_end, [&](auto group, int m) {
+        row_groups<MAX_ROWS>(chunk, chunk_end, [&](auto group, int m) {
           tile_pair_int4<decltype(group)::value>(rows, m, K, reinterpret_cast<const uint8_t*>(tile_w), b, o, N);
         });
       else
-        row_groups(chunk, chunk_end, [&](auto group, int m) {
+        row_groups<MAX_ROWS>(chunk, chunk_end, [&](auto group, int m) {
           tile<decltype(group)::value>(rows, m, K, tile_w, s, b, o, N);
         });
     }

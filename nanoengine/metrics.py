@@ -75,13 +75,11 @@ class ServerMetrics:
         yield metric(CounterMetricFamily, "prompt_tokens", "Prompt tokens of the requests added.",
                      s["prompt_tokens"])
         yield metric(CounterMetricFamily, "generation_tokens", "Tokens generated.", s["generated_tokens"])
-        # Speculative decoding (0 without it): the sequences' verifications, their drafts, the drafts accepted.
-        yield metric(CounterMetricFamily, "spec_decode_num_drafts", "Sequences that brought drafts to a step.",
-                     s["spec_decode_num_drafts"])
-        yield metric(CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
-                     s["spec_decode_num_draft_tokens"])
-        yield metric(CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens the target accepted.",
-                     s["spec_decode_num_accepted_tokens"])
+        # Speculative decoding (0 without it): the stats' own names.
+        for name, documentation in (("spec_decode_num_drafts", "Sequences that brought drafts to a step."),
+                                    ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+                                    ("spec_decode_num_accepted_tokens", "Draft tokens the target accepted.")):
+            yield metric(CounterMetricFamily, name, documentation, s[name])
 
     def clock(self) -> "RequestClock":
         """Start timing a request that has just arrived."""

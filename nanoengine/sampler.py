@@ -128,8 +128,9 @@ class Sampler:
         greedy = logits.argmax(dim=-1) if any(t == 0 for t in temperatures) else None
         probs = self.probs(logits, temperatures, top_ks, top_ps, min_ps)
         sampled = self.inverse_cdf(probs, self.uniform(seeds, positions, probs.device))
-        temps = torch.tensor(temperatures, device=logits.device)
-        return sampled if greedy is None else torch.where(temps == 0, greedy, sampled)
+        if greedy is None:
+            return sampled
+        return torch.where(torch.tensor([t == 0 for t in temperatures], device=logits.device), greedy, sampled)
 
     def probs(self, logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
               min_ps: list[float] | None = None) -> torch.Tensor:

@@ -107,6 +107,8 @@ class Scheduler:
     def _fit_drafts(self, seq: Sequence, budget: int) -> int:
         """Keep as many of a decoding sequence's drafts as the token budget (after its newest token)
         and the free blocks allow, and drop the rest. Drafts are optional: they never preempt anyone."""
+        if not seq.spec_token_ids:
+            return 0
         drafts = seq.spec_token_ids[:budget - 1]
         while drafts and not self.block_manager.can_append(seq, len(drafts)):
             drafts.pop()

@@ -176,13 +176,14 @@ class StepObserver:
     def _verified(self, seq: Sequence, drafts: list[int], table: list[int]) -> None:
         """Speculative decoding: which drafts the step accepted, and what it took back out of the cache."""
         decode, bs = self.engine.tokenizer.decode, self.engine.block_manager.block_size
-        accepted = seq.num_new_tokens - 1 if not seq.is_finished else min(seq.num_new_tokens, len(drafts))
-        rejected = drafts[accepted:]
+        # The tokens appended: the drafts accepted, then (unless a stop came first) the model's own.
+        new = seq.token_ids[-seq.num_new_tokens:]
+        accepted = next((i for i, (d, t) in enumerate(zip(drafts, new)) if d != t), min(len(drafts), len(new)))
+        own, rejected = new[accepted:], drafts[accepted:]
         self.write(f"  verified  #{seq.seq_id} proposed {decode(drafts)!r} ({len(drafts)} drafts): accepted "
-                   f"{decode(drafts[:accepted])!r}" + (f", then the model's own {decode(seq.token_ids[-1:])!r}"
-                                                      if not seq.is_finished else ""))
+                   f"{decode(drafts[:accepted])!r}" + (f", then the model's own {decode(own)!r}" if own else ""))
         if rejected:
-            first = seq.num_tokens - 1 if not seq.is_finished else seq.num_tokens
+            first = seq.num_tokens - len(new) + accepted  # the first rejected draft's position
             slots = [table[p // bs] * bs + p % bs for p in range(first, first + len(rejected))]
             freed = [b for b in table if b not in seq.block_table] if not seq.is_finished else []
             self.write(f"  rejected  {decode(rejected)!r}: their K/V in slots {ranges(slots)} are past the sequence's "

@@ -4,7 +4,10 @@ tensor-parallel splits built on it.
 A ``Linear`` is ``nn.Linear`` until the model runner changes how it computes: on CPU in bf16 with
 AVX512-BF16, a C++ kernel over a packed copy of its weight (``use_cpu_kernel``); with
 ``quantization``, a C++ kernel over int8 or int4 weights (``quantize``, quantization.py). Either
-replaces the plain weight, so each layer holds one copy of what it computes with.
+replaces the plain weight, so each layer holds one copy of what it computes with; but for one
+case: the quantized kernel is made for one row of x, and where oneDNN's int8 GEMM is faster for a
+batch of rows on this CPU (cpu_dispatch.py), the layer also keeps an int8 copy in the layout
+that GEMM reads and computes batches from so many rows on through it (int8_gemm.py).
 
 Projections that read the same input are fused into one matmul (q/k/v into ``qkv_proj``,
 gate/up into ``gate_up_proj``): one large product instead of several small ones. Checkpoints
@@ -32,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoengine import cpu_kernels, quantization
+from nanoengine import cpu_dispatch, cpu_kernels, int8_gemm, quantization
 from nanoengine.parallel import Shard, TensorParallelGroup
 
 
@@ -42,6 +45,7 @@ class Linear(nn.Linear):
 
     kernel: Callable | None = None
     quantized = False
+    gemm_min_rows: int | None = None  # from this many rows of x on, compute through int8_gemm.py
 
     def use_cpu_kernel(self) -> None:
         """From now on compute with cpu_kernels.linear over ``packed_weight``, the weight laid out for
@@ -57,8 +61,14 @@ class Linear(nn.Linear):
         """From now on compute with cpu_kernels.quantized_linear over ``qweight`` and ``scales``, the
         weight in ``fmt`` ("int8" or "int4"; int4's scales are inside qweight). Like
         ``use_cpu_kernel``, the quantized copy replaces the weight as buffers; a tied lm_head gets its
-        own copy and the embedding keeps the original."""
+        own copy and the embedding keeps the original. Where int8_gemm.py computes batches, its
+        int8 copy is kept too (``gemm_weight``, ``gemm_scales``)."""
         qweight, scales = quantization.quantize_weight(self.weight.detach(), fmt)
+        self.gemm_min_rows = cpu_dispatch.gemm_min_rows(fmt) if int8_gemm.available() else None
+        if self.gemm_min_rows is not None:
+            gemm_weight, gemm_scales = quantization.gemm_weight(qweight, scales)
+            self.register_buffer("gemm_weight", gemm_weight)
+            self.register_buffer("gemm_scales", gemm_scales)
         self.register_parameter("weight", None)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
@@ -68,6 +78,8 @@ class Linear(nn.Linear):
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quantized and self.gemm_min_rows is not None and x.numel() >= self.gemm_min_rows * x.shape[-1]:
+            return int8_gemm.int8_linear(x, self.gemm_weight, self.gemm_scales, bias)
         if self.quantized:
             return cpu_kernels.quantized_linear(x, self.qweight, self.scales, bias, self.out_features)
         if self.kernel is None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from nanoengine import LLM, SamplingParams
 from nanoengine.config import Config
 from nanoengine.linear import Linear
-from nanoengine import cpu_kernels
+from nanoengine import cpu_dispatch, cpu_kernels
 from nanoengine.quantization import (FORMATS, GROUP_SIZE, can_quantize, dequantize_int4, dequantize_int8,
                                      dequantize_packed, quantize_int4, quantize_int8, quantize_weight)
 from nanoengine.sequence import Sequence
@@ -83,6 +83,7 @@ def test_quantized_linear_matches_its_arithmetic_in_torch(dtype, fmt, shape, row
     layer.bias.data = torch.randn(out_features)
     w, bias = layer.weight.data.clone(), layer.bias.data.clone()
     layer.to(dtype).quantize(fmt)
+    layer.gemm_min_rows = None  # the C++ kernel at every batch size (int8_gemm.py: tests/test_int8_gemm.py)
     gen = torch.Generator().manual_seed(1)
     if strided:  # every other column of a wider tensor, in a [2, rows, in] batch
         x = torch.randn(2, rows, 2 * in_features, generator=gen)[..., ::2]
@@ -136,13 +137,16 @@ def test_quantized_linear_refuses_a_weight_not_in_its_layout():
     assert not can_quantize(6, GROUP_SIZE) and not can_quantize(8, GROUP_SIZE + 2)
 
 
-def test_quantized_state_dict_holds_the_quantized_weight():
+@pytest.mark.parametrize("gemm_min_rows", [None, 16])
+def test_quantized_state_dict_holds_the_quantized_weight(gemm_min_rows, monkeypatch):
+    monkeypatch.setattr(cpu_dispatch, "gemm_min_rows", lambda fmt: gemm_min_rows)
+    gemm = {"gemm_weight", "gemm_scales"} if gemm_min_rows else set()  # int8_gemm.py's copy, where it computes
     layer = Linear(GROUP_SIZE, 16, bias=False)
     layer.quantize("int8")
-    assert set(layer.state_dict()) == {"qweight", "scales"} and layer.weight is None
+    assert set(layer.state_dict()) == {"qweight", "scales"} | gemm and layer.weight is None
     layer = Linear(GROUP_SIZE, 16, bias=False)
     layer.quantize("int4")  # its scales are inside qweight
-    assert set(layer.state_dict()) == {"qweight"} and layer.weight is None
+    assert set(layer.state_dict()) == {"qweight"} | gemm and layer.weight is None
 
 
 def test_unknown_quantization_is_a_value_error_naming_the_field():
@@ -172,8 +176,12 @@ def unquantized_perplexity():
 
 
 @pytest.mark.parametrize("fmt,bound", [("int8", 0.01), ("int4", 0.03)])
-def test_default_model_perplexity_stays_close_to_unquantized(fmt, bound, unquantized_perplexity):
+@pytest.mark.parametrize("gemm_min_rows", [None, 1], ids=["cpp-kernel", "int8-gemm"])
+def test_default_model_perplexity_stays_close_to_unquantized(fmt, bound, gemm_min_rows, unquantized_perplexity,
+                                                             monkeypatch):
+    """Through either path, whichever cpu_dispatch.py would pick for the 1,000-row prefill here."""
     token_ids, expected, embedding = unquantized_perplexity
+    monkeypatch.setattr(cpu_dispatch, "gemm_min_rows", lambda fmt: gemm_min_rows)
     llm = LLM(max_model_len=1024, quantization=fmt)
     model = llm.model_runner.model
     # The tied LM head has its own quantized copy; the embedding lookup still reads the original table.

@@ -1,0 +1,124 @@
+"""int8_gemm.py against a dequantize-then-matmul reference, and cpu_dispatch.py's rule choosing
+between it and the C++ kernel."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoengine import LLM, SamplingParams, cpu_dispatch, int8_gemm, quantization
+from nanoengine.int8_gemm import int8_linear
+from nanoengine.linear import Linear
+
+pytestmark = pytest.mark.skipif(not int8_gemm.available(), reason="needs a C++ compiler")
+
+
+def int8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """int8_linear's arithmetic in float64 torch: each row of x rounded to 15 bits at its own scale
+    (its largest magnitude at 127 * 128), times the int8 weight."""
+    x = x.double().reshape(-1, x.shape[-1])
+    step = x.abs().amax(1, keepdim=True) / (127 * 128)
+    rounded = torch.round(x / torch.where(step > 0, step, 1)) * step
+    w = q.double() * scales.double()[:, None]
+    return F.linear(rounded, w, None if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(13, 48), (40, 96), (24, 576), (8, 7)])  # [out, in]: odd sizes too
+@pytest.mark.parametrize("rows", [1, 5, 300])  # 300: three chunks of products (CHUNK_ROWS)
+@pytest.mark.parametrize("with_bias", [False, True])
+@torch.inference_mode()
+def test_int8_linear_matches_its_arithmetic_in_torch(dtype, shape, rows, with_bias):
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=gen) * torch.logspace(-2, 0, out_features)[:, None]
+    q, scales = quantization.quantize_int8(w)
+    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(2, rows, 2 * in_features, generator=gen)[..., ::2]  # strided, batched
+    x[..., 3] *= 50  # an outlier feature
+    x[0, 0] = 0  # a row of zeros
+    x = x.to(dtype)
+    out = int8_linear(x, q.contiguous(), scales, bias)
+    expected = int8_reference(x, q, scales, bias).view(2, rows, out_features)
+    assert out.dtype == dtype and out.shape == expected.shape
+    # float32 rounds the sums, bf16 the output to 8 bits of mantissa; and now and then an x value
+    # all but exactly between two steps rounds the other way in float32 (a step times at most max |w|)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    error = (out.double() - expected).abs()
+    assert (error <= tol * expected.abs().max()).double().mean() >= 0.99
+    step = x.double().abs().amax() / (127 * 128)
+    assert error.max() <= tol * expected.abs().max() + 2 * step * w.abs().max()
+    # and x's 15 bits keep the product within bf16's own rounding of the float one
+    exact = F.linear(x.double(), q.double() * scales.double()[:, None], None if bias is None else bias.double())
+    assert (out.double() - exact).abs().max() <= 1e-2 * exact.abs().max()
+
+
+@torch.inference_mode()
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    """Every product is an exact integer and the scales are the row's own: bit for bit the same row
+    alone, among 7 others, or among 299 (three GEMM chunks, each blocked its own way)."""
+    gen = torch.Generator().manual_seed(0)
+    q, scales = quantization.quantize_int8(torch.randn(3072, 576, generator=gen))
+    x = torch.randn(300, 576, generator=gen).to(torch.bfloat16)
+    x[:, 7] *= 100
+    alone = int8_linear(x[150:151], q, scales, None)
+    assert torch.equal(int8_linear(x[147:155], q, scales, None)[3:4], alone)
+    assert torch.equal(int8_linear(x, q, scales, None)[150:151], alone)
+
+
+def test_int8_linear_refuses_what_it_cannot_compute():
+    q, scales = quantization.quantize_int8(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="x"):
+        int8_linear(torch.randn(2, 32), q, scales, None)
+    with pytest.raises(ValueError, match="x"):
+        int8_linear(torch.randn(2, 64).half(), q, scales, None)
+    with pytest.raises(ValueError, match="weight"):
+        int8_linear(torch.randn(2, 64), q.float(), scales, None)
+    with pytest.raises(ValueError, match="bias"):
+        int8_linear(torch.randn(2, 64), q, scales, torch.zeros(7))
+
+
+AMX = "fpu avx2 avx512f avx512_vnni avx512_bf16 amx_bf16 amx_int8 amx_tile"
+
+
+def test_the_rule_reads_the_cpu_kind():
+    assert cpu_dispatch.cpu_kind(AMX) == "amx"
+    assert cpu_dispatch.cpu_kind("fpu avx2 avx512f avx512_vnni avx512_bf16") == "avx512_vnni"
+    assert cpu_dispatch.cpu_kind("fpu avx2 fma") == "avx2"
+    assert cpu_dispatch.gemm_min_rows("int8", AMX) == cpu_dispatch.GEMM_MIN_ROWS["amx"]["int8"]
+    assert cpu_dispatch.gemm_min_rows("int4", "fpu avx2 fma") is None  # the C++ kernel at every batch
+    for kind in cpu_dispatch.GEMM_MIN_ROWS.values():
+        assert set(kind) == {"int8", "int4"}
+        assert all(rows is None or rows > 1 for rows in kind.values())  # batch 1 is always the kernel's
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@torch.inference_mode()
+def test_a_quantized_layer_switches_to_the_gemm_from_the_rules_rows(fmt, monkeypatch):
+    monkeypatch.setattr(cpu_dispatch, "gemm_min_rows", lambda fmt: 4)
+    layer = Linear(64, 16, bias=True)
+    layer.quantize(fmt)
+    calls = []
+    monkeypatch.setattr(int8_gemm, "int8_linear", lambda *args: calls.append(args[0].shape) or args[0][..., :16])
+    layer(torch.randn(3, 64))
+    layer(torch.randn(2, 2, 64))
+    assert calls == [(2, 2, 64)]
+    # int4's int8 copy is its int4 values rounded again: within half an int8 step of them
+    int4_values = quantization.dequantize_packed(layer.qweight, layer.scales)
+    gemm_values = quantization.dequantize_int8(layer.gemm_weight, layer.gemm_scales)
+    assert ((gemm_values - int4_values).abs() <= layer.gemm_scales[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_graph_replay_through_the_gemm_gives_the_eager_tokens(fmt, tiny_models, monkeypatch):
+    """Decode steps from one row on through int8_gemm.py, replayed by CPU graphs: the same greedy
+    tokens as run eagerly, so the GEMM and both passes around it replay on the step's new inputs.
+    Three prompts: their steps are padded to a graph of 4 rows."""
+    monkeypatch.setattr(cpu_dispatch, "gemm_min_rows", lambda fmt: 1)
+    prompts = [[1, 5, 9, 2], [3, 3, 7], [4, 8, 15, 16, 23, 42]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for eager in (True, False):
+        llm = LLM(tiny_models["llama"], max_model_len=128, quantization=fmt, enforce_eager=eager)
+        assert (llm.model_runner.graph_runner is None) == eager
+        tokens[eager] = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens[True] == tokens[False]

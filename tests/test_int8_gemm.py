@@ -6,10 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from nanoengine import LLM, SamplingParams, cpu_dispatch, int8_gemm, quantization
+from nanoengine.cpu_library import cpu_features
 from nanoengine.int8_gemm import int8_linear
 from nanoengine.linear import Linear
 
-pytestmark = pytest.mark.skipif(not int8_gemm.available(), reason="needs a C++ compiler")
+# Where the rule never picks the GEMM (no VNNI), its products may saturate: nothing to test there.
+needs_gemm = pytest.mark.skipif(not int8_gemm.available() or cpu_dispatch.cpu_kind(cpu_features()) == "no_vnni",
+                                reason="needs a C++ compiler and a CPU with VNNI")
 
 
 def int8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -22,6 +25,7 @@ def int8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias:
     return F.linear(rounded, w, None if bias is None else bias.double())
 
 
+@needs_gemm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(13, 48), (40, 96), (24, 576), (8, 7)])  # [out, in]: odd sizes too
 @pytest.mark.parametrize("rows", [1, 5, 300])  # 300: three chunks of products (CHUNK_ROWS)
@@ -52,6 +56,7 @@ def test_int8_linear_matches_its_arithmetic_in_torch(dtype, shape, rows, with_bi
     assert (out.double() - exact).abs().max() <= 1e-2 * exact.abs().max()
 
 
+@needs_gemm
 @torch.inference_mode()
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
     """Every product is an exact integer and the scales are the row's own: bit for bit the same row
@@ -63,6 +68,15 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
     alone = int8_linear(x[150:151], q, scales, None)
     assert torch.equal(int8_linear(x[147:155], q, scales, None)[3:4], alone)
     assert torch.equal(int8_linear(x, q, scales, None)[150:151], alone)
+
+
+@needs_gemm
+def test_the_gemm_is_exact_at_the_extremes():
+    """What the rule relies on where it picks the GEMM: int8 products summed without saturating."""
+    a = torch.full((4, 64), 127, dtype=torch.int8)
+    a[1] = -127
+    b = a[:2].t().contiguous()
+    assert torch.equal(torch._int_mm(a, b), a.int() @ b.int())
 
 
 def test_int8_linear_refuses_what_it_cannot_compute():
@@ -83,7 +97,9 @@ AMX = "fpu avx2 avx512f avx512_vnni avx512_bf16 amx_bf16 amx_int8 amx_tile"
 def test_the_rule_reads_the_cpu_kind():
     assert cpu_dispatch.cpu_kind(AMX) == "amx"
     assert cpu_dispatch.cpu_kind("fpu avx2 avx512f avx512_vnni avx512_bf16") == "avx512_vnni"
-    assert cpu_dispatch.cpu_kind("fpu avx2 fma") == "avx2"
+    assert cpu_dispatch.cpu_kind("fpu avx2 avx_vnni") == "avx_vnni"
+    assert cpu_dispatch.cpu_kind("fpu avx2 fma") == "no_vnni"
+    assert cpu_dispatch.gemm_min_rows("int8", "fpu avx2 fma") is None  # its products would saturate
     assert cpu_dispatch.gemm_min_rows("int8", AMX) == cpu_dispatch.GEMM_MIN_ROWS["amx"]["int8"]
     assert cpu_dispatch.gemm_min_rows("int4", "fpu avx2 fma") is None  # the C++ kernel at every batch
     for kind in cpu_dispatch.GEMM_MIN_ROWS.values():
@@ -108,6 +124,7 @@ def test_a_quantized_layer_switches_to_the_gemm_from_the_rules_rows(fmt, monkeyp
     assert ((gemm_values - int4_values).abs() <= layer.gemm_scales[:, None] / 2 + 1e-6).all()
 
 
+@needs_gemm
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_graph_replay_through_the_gemm_gives_the_eager_tokens(fmt, tiny_models, monkeypatch):
     """Decode steps from one row on through int8_gemm.py, replayed by CPU graphs: the same greedy

@@ -12,6 +12,7 @@ from nanoengine import LLM, SamplingParams
 from nanoengine.config import Config
 from nanoengine.linear import Linear
 from nanoengine import cpu_dispatch, cpu_kernels
+from tests.test_int8_gemm import needs_gemm
 from nanoengine.quantization import (FORMATS, GROUP_SIZE, can_quantize, dequantize_int4, dequantize_int8,
                                      dequantize_packed, quantize_int4, quantize_int8, quantize_weight)
 from nanoengine.sequence import Sequence
@@ -176,7 +177,7 @@ def unquantized_perplexity():
 
 
 @pytest.mark.parametrize("fmt,bound", [("int8", 0.01), ("int4", 0.03)])
-@pytest.mark.parametrize("gemm_min_rows", [None, 1], ids=["cpp-kernel", "int8-gemm"])
+@pytest.mark.parametrize("gemm_min_rows", [None, pytest.param(1, marks=needs_gemm)], ids=["cpp-kernel", "int8-gemm"])
 def test_default_model_perplexity_stays_close_to_unquantized(fmt, bound, gemm_min_rows, unquantized_perplexity,
                                                              monkeypatch):
     """Through either path, whichever cpu_dispatch.py would pick for the 1,000-row prefill here."""

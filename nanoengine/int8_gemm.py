@@ -1,6 +1,7 @@
 """int8 compute for batched steps: the int8 weight multiplied by oneDNN's int8 GEMM
-(``torch._int_mm``, which picks AVX2, AVX-512 VNNI or AMX itself), x rounded per row to two int8
-digits, the int32 products scaled back to x's dtype.
+(``torch._int_mm``, on AVX-512 VNNI, AVX-VNNI or AMX as the CPU has them; without VNNI its sums
+saturate, so cpu_dispatch.py never picks it there), x rounded per row to two int8 digits, the
+int32 products scaled back to x's dtype.
 
 The C++ kernel (cpu_quantized_linear.cpp) is made for one row of x: it streams the weight once and
 is bound by memory. A batched step is bound by arithmetic instead, and there a library GEMM,
@@ -20,8 +21,9 @@ on its batch). So each row is rounded to 15 bits instead and written as two int8
 Both digits go through one GEMM (as rows 2m and 2m + 1), twice the arithmetic of one int8 digit,
 and x is then about as exact as bf16 itself: perplexity +0.3% in int8, within noise of the weights'
 own rounding. Each product is an exact integer, so a row's result does not depend on the rows
-beside it or on how the GEMM blocks its sums: a step computes a sequence the same way whatever
-its batch. Both passes around the GEMM are cpu_int8_gemm.cpp.
+beside it or on how the GEMM blocks its sums: among the steps this path computes, a sequence is
+computed the same way whatever its batch (below cpu_dispatch.py's rows the kernel computes it, in
+8 bits per 32 values). Both passes around the GEMM are cpu_int8_gemm.cpp.
 """
 
 import torch

@@ -28,11 +28,11 @@ computed the same way whatever its batch (below cpu_dispatch.py's rows the kerne
 
 import torch
 
+from nanoengine.cpu_kernels import DTYPES
 from nanoengine.cpu_library import load
 
 # Rows whose int32 products are rescaled while they are still in cache: one GEMM per chunk.
 CHUNK_ROWS = 128
-DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def available() -> bool:
@@ -48,7 +48,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bia
         raise ValueError(f"int8_linear takes float32 or bfloat16 x [..., {in_features}], got {x.dtype} "
                          f"{tuple(x.shape)}")
     if (weight.dtype, scales.dtype, tuple(scales.shape)) != (torch.int8, torch.float32, (out_features,)) \
-            or not weight.is_contiguous() or (bias is not None and (bias.dtype, bias.shape) != (x.dtype, (out_features,))):
+            or not (weight.is_contiguous() and scales.is_contiguous()) or (bias is not None and (bias.dtype, bias.shape) != (x.dtype, (out_features,))):
         raise ValueError("int8_linear takes a contiguous int8 weight [out, in], float32 scales [out] and a bias "
                          "[out] in x's dtype")
     library, dtype, threads = load("cpu_int8_gemm.cpp"), DTYPES[x.dtype], torch.get_num_threads()

@@ -24,7 +24,7 @@ from nanoengine.cpu_library import cpu_features
 
 GEMM_MIN_ROWS = {  # CPU kind -> weight format -> rows
     "amx": {"int8": 12, "int4": 64},
-    "avx512_vnni": {"int8": 12, "int4": None},  # int4: its kernel stayed 2-8% ahead at 128-512 rows
+    "avx512_vnni": {"int8": 12, "int4": None},  # int4: its kernel stayed 3-7% ahead at 128-512 rows
     "avx_vnni": {"int8": 24, "int4": None},  # int4: at most 8% ahead from 256 rows
     "no_vnni": {"int8": None, "int4": None},  # the GEMM's products would saturate
 }

@@ -20,6 +20,8 @@ products of large int8 values come out clipped (here, with ``ONEDNN_MAX_CPU_ISA=
 of 127 x 127 summed to 8,160 instead of 1,032,256).
 """
 
+import functools
+
 from nanoengine.cpu_library import cpu_features
 
 GEMM_MIN_ROWS = {  # CPU kind -> weight format -> rows
@@ -41,4 +43,10 @@ def cpu_kind(features: str) -> str:
 def gemm_min_rows(fmt: str, features: str | None = None) -> int | None:
     """From how many rows of x a layer with ``fmt`` weights ("int8" or "int4") computes through the
     int8 GEMM on this CPU (or on one with ``features``); None: never."""
-    return GEMM_MIN_ROWS[cpu_kind(cpu_features() if features is None else features)][fmt]
+    return GEMM_MIN_ROWS[_this_cpu_kind() if features is None else cpu_kind(features)][fmt]
+
+
+@functools.cache
+def _this_cpu_kind() -> str:
+    """This CPU's kind, read once (every quantized layer asks)."""
+    return cpu_kind(cpu_features())

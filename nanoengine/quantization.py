@@ -94,6 +94,11 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torc
     return torch.cat(as_bytes, dim=-1).contiguous()
 
 
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    """The kernel's int8 tiles back as q ``[out, in]``."""
+    return _untiles(packed).flatten(1).contiguous()
+
+
 def unpack_int4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``pack_int4``'s inverse."""
     tiles, groups, _ = packed.shape
@@ -124,11 +129,11 @@ def gemm_weight(qweight: torch.Tensor, scales: torch.Tensor | None) -> tuple[tor
     most half an int8 step (perplexity: docs/quantization.md)."""
     if scales is None:
         return quantize_int8(dequantize_packed(qweight, None))
-    return _untiles(qweight).flatten(1).contiguous(), scales
+    return unpack_int8(qweight), scales
 
 
 def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     """The float32 ``[out, in]`` weight that ``quantize_weight``'s output stands for."""
     if scales is None:
         return dequantize_int4(*unpack_int4(qweight))
-    return dequantize_int8(_untiles(qweight).flatten(1), scales)
+    return dequantize_int8(unpack_int8(qweight), scales)

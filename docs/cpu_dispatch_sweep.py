@@ -1,6 +1,7 @@
 """The sweep behind docs/quantization.md's table and cpu_dispatch.py's rule: for each row count, a
-decoder layer's four matmuls (the default model's shapes) through oneDNN and through the C++
-kernels, microseconds summed over the four. Run it on an idle machine:
+decoder layer's four matmuls (the default model's shapes) through oneDNN, through the int8 GEMM on
+AMX tiles (where the CPU has them) and through the C++ kernels, microseconds summed over the four.
+Run it on an idle machine:
 
     python docs/cpu_dispatch_sweep.py
 
@@ -14,12 +15,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nanoengine import cpu_kernels, quantization
+from nanoengine import cpu_kernels, int8_gemm, quantization
 from nanoengine.cpu_library import load
-from nanoengine.int8_gemm import int8_linear
+from nanoengine.int8_gemm import int8_linear, pack_weight
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out): qkv, o, gate_up, down
-ROWS = [1, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512]
+ROWS = [1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 24, 32, 64, 128, 512]
 
 
 def microseconds(fn, repeats: int = 10) -> float:
@@ -36,25 +37,30 @@ def main() -> None:
     weights = {}
     for in_features, out_features in SHAPES:
         w = torch.randn(out_features, in_features)
+        q, scales = quantization.quantize_int8(w)
         weights[in_features, out_features] = dict(
             bf16=w.bfloat16(), packed=cpu_kernels.pack_linear_weight(w.bfloat16()) if has_bf16_kernel else None,
             int8=quantization.quantize_weight(w, "int8"), int4=quantization.quantize_weight(w, "int4"),
-            gemm=quantization.quantize_int8(w))
-    print("rows: bf16 oneDNN / kernel | int8 GEMM / kernel | int4 kernel (us, a layer's four matmuls)")
+            gemm=(q, scales), amx=(pack_weight(q), scales))  # torch._int_mm's layout, AMX's tiles
+    amx = int8_gemm.uses_amx()
+    print("rows: bf16 oneDNN / kernel | int8 oneDNN GEMM / AMX GEMM / kernel | int4 kernel (us, a layer's four matmuls)")
     with torch.inference_mode():
         for rows in ROWS:
-            total = dict.fromkeys(["onednn", "bf16", "gemm", "int8", "int4"], 0.0)
+            total = dict.fromkeys(["onednn", "bf16", "gemm", "amx", "int8", "int4"], 0.0)
             for (in_features, out_features), w in weights.items():
                 x = torch.randn(rows, in_features, dtype=torch.bfloat16)
                 total["onednn"] += microseconds(lambda: F.linear(x, w["bf16"]))
                 if has_bf16_kernel:
                     total["bf16"] += microseconds(lambda: cpu_kernels.linear(x, w["packed"], None, out_features))
                 total["gemm"] += microseconds(lambda: int8_linear(x, *w["gemm"], None))
+                if amx:
+                    total["amx"] += microseconds(lambda: int8_linear(x, *w["amx"], None))
                 total["int8"] += microseconds(lambda: cpu_kernels.quantized_linear(x, *w["int8"], None, out_features))
                 total["int4"] += microseconds(lambda: cpu_kernels.quantized_linear(x, *w["int4"], None, out_features))
             bf16_kernel = f"{total['bf16']:.0f}" if has_bf16_kernel else "-"
-            print(f"{rows}: {total['onednn']:.0f} / {bf16_kernel} | {total['gemm']:.0f} / {total['int8']:.0f} | "
-                  f"{total['int4']:.0f}")
+            amx_gemm = f"{total['amx']:.0f}" if amx else "-"
+            print(f"{rows}: {total['onednn']:.0f} / {bf16_kernel} | {total['gemm']:.0f} / {amx_gemm} / "
+                  f"{total['int8']:.0f} | {total['int4']:.0f}")
 
 
 if __name__ == "__main__":

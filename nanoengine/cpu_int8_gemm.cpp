@@ -1,10 +1,12 @@
-// The two passes around oneDNN's int8 GEMM (int8_gemm.py): x into two int8 digits per value before
-// it, the int32 products back into x's dtype after it.
+// The int8 GEMM path (int8_gemm.py): x into two int8 digits per value before the GEMM, the int32
+// products back into x's dtype after it, and, on CPUs with AMX, the GEMM itself.
 //
 // quantize_activations: per row of x, v = round(x / scale) with scale = largest |x| / (127 * 128),
 // so |v| <= 16256, written as two int8 digits v = 128 * hi + lo (hi in -127..127, lo in -64..64):
-// row m's digits are rows 2m (hi) and 2m + 1 (lo) of q, so one GEMM multiplies both.
+// row m's digits are rows 2m (hi) and 2m + 1 (lo) of q, q_stride bytes apart, so one GEMM
+// multiplies both.
 // rescale: out[m, n] = (128 * acc[2m, n] + acc[2m + 1, n]) * x_scale[m] * w_scale[n] + bias[n].
+// amx_gemm: the GEMM by AMX tiles and the rescale as each block of sums is done (below).
 //
 // Plain loops: with -O3 -march=native the compiler vectorises them for whatever the CPU has.
 #include <algorithm>
@@ -18,16 +20,16 @@ constexpr float DIGIT = 128;           // lo's weight is 1, hi's 128
 constexpr float LARGEST = 127 * DIGIT;  // |v| at most, so that hi fits int8
 
 template <typename T>
-static void quantize_activations(const T* x, int64_t x_stride, int M, int K, int8_t* q, float* scales,
-                                 int num_threads) {
+static void quantize_activations(const T* x, int64_t x_stride, int M, int K, int8_t* q, int64_t q_stride,
+                                 float* scales, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (M >= 16)
   for (int m = 0; m < M; m++) {
     const T* row = x + m * x_stride;
     float largest = 0.0f;
     for (int k = 0; k < K; k++) largest = std::max(largest, std::fabs(to_float(row[k])));
     const float inverse = largest > 0 ? LARGEST / largest : 0.0f;
-    int8_t* hi = q + int64_t(2 * m) * K;
-    int8_t* lo = hi + K;
+    int8_t* hi = q + 2 * m * q_stride;
+    int8_t* lo = hi + q_stride;
     for (int k = 0; k < K; k++) {
       const float v = std::nearbyint(to_float(row[k]) * inverse);
       const float h = std::nearbyint(v * (1 / DIGIT));
@@ -38,29 +40,107 @@ static void quantize_activations(const T* x, int64_t x_stride, int M, int K, int
   }
 }
 
+// One row of out from its two rows of int32 sums. Both GEMMs end here, with the multiply-adds
+// spelled out, so that they give the same bits for the same sums.
+template <typename T>
+static inline void rescale_row(const int32_t* hi, const int32_t* lo, float x_scale, const float* w_scales,
+                               const T* bias, T* y, int N) {
+#pragma omp simd
+  for (int n = 0; n < N; n++) {
+    const float v = std::fma(float(hi[n]), DIGIT, float(lo[n]));
+    store(std::fma(v * x_scale, w_scales[n], bias ? to_float(bias[n]) : 0.0f), &y[n]);
+  }
+}
+
 template <typename T>
 static void rescale(const int32_t* acc, const float* x_scales, const float* w_scales, const T* bias, T* out,
                     int M, int N, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (int64_t(M) * N >= (1 << 14))
   for (int m = 0; m < M; m++) {
     const int32_t* hi = acc + int64_t(2 * m) * N;
-    const int32_t* lo = hi + N;
-    const float xs = x_scales[m];
-    T* y = out + int64_t(m) * N;
-#pragma omp simd
-    for (int n = 0; n < N; n++)
-      store((float(hi[n]) * DIGIT + float(lo[n])) * xs * w_scales[n] + (bias ? to_float(bias[n]) : 0.0f), &y[n]);
+    rescale_row(hi, hi + N, x_scales[m], w_scales, bias, out + int64_t(m) * N, N);
   }
 }
 
-extern "C" {
-void quantize_activations_float32(const float* x, int64_t x_stride, int M, int K, int8_t* q, float* scales,
-                                  int num_threads) {
-  quantize_activations(x, x_stride, M, K, q, scales, num_threads);
+// The GEMM on AMX (cpu_amx.h): tdpbssd multiplies a tile of x's digits (16 rows, 64 values of k)
+// by a tile of the weight (64 values of k for 16 columns, 16 rows of 4 k's per column) into
+// 16 x 16 int32 sums. oneDNN's int8 GEMM as torch calls it (torch._int_mm) does not use AMX, nor
+// fold in the rescale; this does, two to four times faster (docs/quantization.md). A thread takes
+// a strip of 32 columns and sweeps every block of 32 digit rows along it, so the strip's weight is
+// read from memory once and then from cache; each block's sums are rescaled as soon as it is done.
+//
+// Layouts: q int8 [ceil(2M / 32) * 32, Kp] (Kp = K rounded up to 64; the padding may hold
+// anything, as the weight is zero there); w from int8_gemm.pack_weight, [ceil(N / 32) * 2, Kp / 64,
+// 16, 64]: tile (s, b) holds columns 16s.. of k block b, row r, bytes 4j..4j + 3 being
+// weight[16s + j, 64b + 4r ..] (zero past N and K).
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include "cpu_amx.h"
+
+constexpr int TILE_BYTES = 64, TILE_SIZE = 16 * TILE_BYTES;
+
+extern "C" int amx_ready() { return amx_granted() ? 0 : -1; }
+
+template <typename T>
+static int amx_gemm(const int8_t* q, const float* x_scales, int M, int Kp, const int8_t* w, const float* w_scales,
+                    const T* bias, T* out, int N, int num_threads) {
+  const int strips = (N + 31) / 32, k_blocks = Kp / TILE_BYTES, row_blocks = (2 * M + 31) / 32;
+#pragma omp parallel num_threads(num_threads)
+  {
+    configure_tiles();
+    alignas(64) int32_t sums[32][32];
+#pragma omp for schedule(static)
+    for (int s = 0; s < strips; s++) {
+      const int8_t* w0 = w + int64_t(2 * s) * k_blocks * TILE_SIZE;  // the strip's two columns of tiles
+      const int8_t* w1 = w0 + int64_t(k_blocks) * TILE_SIZE;
+      const int n0 = 32 * s, columns = std::min(32, N - n0);
+      alignas(64) float w_scale[32] = {};
+      alignas(64) T b[32] = {};
+      std::copy(w_scales + n0, w_scales + n0 + columns, w_scale);
+      if (bias) std::copy(bias + n0, bias + n0 + columns, b);
+      for (int r = 0; r < row_blocks; r++) {
+        const int8_t* q0 = q + int64_t(32 * r) * Kp;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int kb = 0; kb < k_blocks; kb++) {
+          _tile_loadd(4, q0 + kb * TILE_BYTES, Kp);
+          _tile_loadd(5, q0 + 16 * Kp + kb * TILE_BYTES, Kp);
+          _tile_loadd(6, w0 + kb * TILE_SIZE, TILE_BYTES);
+          _tile_loadd(7, w1 + kb * TILE_SIZE, TILE_BYTES);
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbssd(1, 4, 7);
+          _tile_dpbssd(2, 5, 6);
+          _tile_dpbssd(3, 5, 7);
+        }
+        store_sums(sums);
+        for (int i = 0, m = 16 * r; i < 16 && m < M; i++, m++) {
+          alignas(64) T y[32];
+          rescale_row(sums[2 * i], sums[2 * i + 1], x_scales[m], w_scale, bias ? b : nullptr, y, 32);
+          std::copy(y, y + columns, out + int64_t(m) * N + n0);
+        }
+      }
+    }
+    _tile_release();
+  }
+  return 0;
 }
-void quantize_activations_bfloat16(const uint16_t* x, int64_t x_stride, int M, int K, int8_t* q, float* scales,
-                                   int num_threads) {
-  quantize_activations(x, x_stride, M, K, q, scales, num_threads);
+#else
+extern "C" int amx_ready() { return -1; }  // built for a CPU without AMX
+template <typename T>
+static int amx_gemm(const int8_t*, const float*, int, int, const int8_t*, const float*, const T*, T*, int, int) {
+  return -1;
+}
+#endif
+
+extern "C" {
+void quantize_activations_float32(const float* x, int64_t x_stride, int M, int K, int8_t* q, int64_t q_stride,
+                                  float* scales, int num_threads) {
+  quantize_activations(x, x_stride, M, K, q, q_stride, scales, num_threads);
+}
+void quantize_activations_bfloat16(const uint16_t* x, int64_t x_stride, int M, int K, int8_t* q, int64_t q_stride,
+                                   float* scales, int num_threads) {
+  quantize_activations(x, x_stride, M, K, q, q_stride, scales, num_threads);
 }
 void rescale_float32(const int32_t* acc, const float* x_scales, const float* w_scales, const float* bias,
                      float* out, int M, int N, int num_threads) {
@@ -70,6 +150,14 @@ void rescale_bfloat16(const int32_t* acc, const float* x_scales, const float* w_
                       uint16_t* out, int M, int N, int num_threads) {
   rescale(acc, x_scales, w_scales, bias, out, M, N, num_threads);
 }
+int amx_gemm_float32(const int8_t* q, const float* x_scales, int M, int Kp, const int8_t* w, const float* w_scales,
+                     const float* bias, float* out, int N, int num_threads) {
+  return amx_gemm(q, x_scales, M, Kp, w, w_scales, bias, out, N, num_threads);
+}
+int amx_gemm_bfloat16(const int8_t* q, const float* x_scales, int M, int Kp, const int8_t* w, const float* w_scales,
+                      const uint16_t* bias, uint16_t* out, int N, int num_threads) {
+  return amx_gemm(q, x_scales, M, Kp, w, w_scales, bias, out, N, num_threads);
+}
 }
 
 // Each entry point's twin for a CPU graph's replay (cpu_graph.h).
@@ -77,3 +165,5 @@ REPLAYABLE(quantize_activations_float32)
 REPLAYABLE(quantize_activations_bfloat16)
 REPLAYABLE(rescale_float32)
 REPLAYABLE(rescale_bfloat16)
+REPLAYABLE(amx_gemm_float32)
+REPLAYABLE(amx_gemm_bfloat16)

@@ -46,7 +46,7 @@ _ATTENTION_SIGNATURES = {
     "prefill": [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
 }
 # These return an int: an error code, 0 if done (replay: how many of its steps it made).
-RETURNS_INT = ("store_kvcache", "decode", "prefill", "rotary", "replay")
+RETURNS_INT = ("store_kvcache", "decode", "prefill", "rotary", "replay", "amx_")
 SIGNATURES = {  # each file's extern "C" functions and their argument types
     "cpu_graph.cpp": {"replay": [_P, _I]},
     "cpu_attention.cpp": {"store_kvcache": [_P, _P, _I64, _I64, _P, _P, _P, _I, _I64, _I64, _I]}
@@ -54,9 +54,10 @@ SIGNATURES = {  # each file's extern "C" functions and their argument types
     "cpu_layers.cpp": {f"{name}_{dtype}": args for name, args in _LAYERS_SIGNATURES.items()
                        for dtype in ("bfloat16", "float32")},
     "cpu_linear.cpp": {"linear_bfloat16": [_P, _I64, _P, _P, _P, _I, _I, _I, _I]},
-    "cpu_int8_gemm.cpp": {f"{name}_{dtype}": args for name, args in (
-        ("quantize_activations", [_P, _I64, _I, _I, _P, _P, _I]),
-        ("rescale", [_P, _P, _P, _P, _P, _I, _I, _I])) for dtype in ("bfloat16", "float32")},
+    "cpu_int8_gemm.cpp": {"amx_ready": []} | {f"{name}_{dtype}": args for name, args in (
+        ("quantize_activations", [_P, _I64, _I, _I, _P, _I64, _P, _I]),
+        ("rescale", [_P, _P, _P, _P, _P, _I, _I, _I]),
+        ("amx_gemm", [_P, _P, _I, _I, _P, _P, _P, _P, _I, _I])) for dtype in ("bfloat16", "float32")},
     "cpu_quantized_linear.cpp": {f"quantized_linear_{dtype}": [_P, _I64, _P, _P, _P, _P, _I, _I, _I, _I]
                                  for dtype in ("bfloat16", "float32")},
 }

@@ -1,6 +1,6 @@
 // The linear layers on CPU in bfloat16: out = x @ weight.T (+ bias), for the AVX512-BF16
 // instruction vdpbf16ps, which multiplies pairs of bfloat16 values and adds both products to a
-// float32 lane: 32 multiply-adds per instruction.
+// float32 lane: 32 multiply-adds per instruction; and, where the CPU has AMX, for its tiles.
 //
 // A decode step multiplies a few dozen rows by every weight of the model, 270 MB for SmolLM2, so
 // the weights stream from main memory once per step. oneDNN's kernels (torch's bf16 matmul)
@@ -11,6 +11,12 @@
 // next strip into cache. At prefill's thousands of rows the two run at the same speed (~800
 // GFLOP/s, measured in interleaved runs of the benchmark's prefill), so one kernel serves both.
 //
+// With AMX (linear_amx, below) the same packed weight is read as tiles, at every row count: one
+// tdpbf16ps is 16 x 16 x 32 multiply-adds, 256 vdpbf16ps' worth. Each output is summed over k
+// in the same order whatever the number of rows, so a row's result does not depend on its batch,
+// as on the vdpbf16ps path (which is why oneDNN's AMX matmul, blocked differently by row count,
+// is not used instead: docs/quantization.md).
+//
 // Layouts: x bfloat16 [M, K] with rows x_stride apart; out bfloat16 [M, N], contiguous; bias
 // bfloat16 [N] or null. The packed weight is [ceil(N / 32), K / 2, 32, 2]: strip s, k pair p,
 // column j, element e holds weight[32 s + j, 2 p + e] (zero past row N). K is even.
@@ -20,6 +26,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "cpu_bfloat16.h"
 #include "cpu_graph.h"
@@ -61,6 +69,65 @@ static void strip(const uint16_t* x, int64_t x_stride, const uint16_t* w, const 
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "cpu_amx.h"
+
+// tdpbf16ps (cpu_amx.h) on blocks of 32 rows by one strip of 32 columns: the tiles of x are 16
+// rows by 32 values of k, the weight's 16 k pairs of 16 columns (in the packed strip, rows of 128
+// bytes, one half each). A thread takes a strip and sweeps every block of rows along it, so the
+// strip is read from memory once. Tiles load 16 rows, so the last rows of x (M % 32) are copied
+// into a block of their own, zero below them. K is a multiple of 32.
+static void linear_amx(const uint16_t* x, int64_t x_stride, const uint16_t* w, const uint16_t* bias, uint16_t* out,
+                       int M, int N, int K, int num_threads) {
+  const int strips = (N + COLUMNS - 1) / COLUMNS, k_blocks = K / 32, full = M / 32, tail = M % 32;
+  std::vector<uint16_t> last(tail ? 32 * K : 0);
+  for (int r = 0; r < tail; r++) std::memcpy(&last[r * K], x + (32 * full + r) * x_stride, K * sizeof(uint16_t));
+#pragma omp parallel num_threads(num_threads)
+  {
+    configure_tiles();
+    alignas(64) float sums[32][COLUMNS];
+#pragma omp for schedule(static)
+    for (int s = 0; s < strips; s++) {
+      const uint16_t* ws = w + int64_t(s) * K * COLUMNS;
+      const int columns = std::min(COLUMNS, N - s * COLUMNS);
+      alignas(64) float b[COLUMNS] = {};
+      for (int j = 0; bias && j < columns; j++) b[j] = to_float(bias[s * COLUMNS + j]);
+      const uint32_t mask = columns == COLUMNS ? ~0u : (1u << columns) - 1;
+      for (int block = 0; block < full + (tail > 0); block++) {
+        const bool is_last = block == full;
+        const uint16_t* x0 = is_last ? last.data() : x + int64_t(32 * block) * x_stride;
+        const int64_t stride = (is_last ? K : x_stride) * sizeof(uint16_t);
+        const int rows = is_last ? tail : 32;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int kb = 0; kb < k_blocks; kb++) {
+          _tile_loadd(6, ws + kb * 32 * COLUMNS, 2 * COLUMNS * sizeof(uint16_t));
+          _tile_loadd(7, ws + kb * 32 * COLUMNS + 32, 2 * COLUMNS * sizeof(uint16_t));
+          _tile_loadd(4, x0 + kb * 32, stride);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (rows > 16) {  // a last block of at most 16 rows skips its lower half
+            _tile_loadd(5, reinterpret_cast<const char*>(x0 + kb * 32) + 16 * stride, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        store_sums(sums);
+        for (int i = 0; i < rows; i++) {  // bias, then one rounding to bfloat16, as below
+          uint16_t* o = out + int64_t(32 * block + i) * N + s * COLUMNS;
+          _mm256_mask_storeu_epi16(o, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums[i]) + _mm512_load_ps(b)));
+          _mm256_mask_storeu_epi16(o + 16, mask >> 16,
+                                   (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums[i] + 16) + _mm512_load_ps(b + 16)));
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+#endif
+
 // Rows are taken CHUNK at a time, a chunk's x small enough to stay in each core's cache while all
 // of the weight streams past it; within a chunk the threads share out the strips, and each runs
 // all the chunk's rows of its strips, at most MAX_ROWS at a time (in equal blocks: 41 rows are
@@ -70,6 +137,9 @@ constexpr int CHUNK = 16 * MAX_ROWS;
 extern "C" void linear_bfloat16(const uint16_t* x, int64_t x_stride, const uint16_t* w, const uint16_t* bias,
                                 uint16_t* out, int M, int N, int K, int num_threads) {
   if (M == 0) return;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (K % 32 == 0 && amx_granted()) return linear_amx(x, x_stride, w, bias, out, M, N, K, num_threads);
+#endif
   const int strips = (N + COLUMNS - 1) / COLUMNS;
   const int blocks = (std::min(M, CHUNK) + MAX_ROWS - 1) / MAX_ROWS;
   const int rows_per_block = (std::min(M, CHUNK) + blocks - 1) / blocks;

@@ -7,12 +7,16 @@ import torch.nn.functional as F
 
 from nanoengine import LLM, SamplingParams, cpu_dispatch, int8_gemm, quantization
 from nanoengine.cpu_library import cpu_features
+from nanoengine.graph_runner import CPU_GRAPH_MAX_BATCH, decode_buckets
 from nanoengine.int8_gemm import int8_linear
 from nanoengine.linear import Linear
 
 # Where the rule never picks the GEMM (no VNNI), its products may saturate: nothing to test there.
 needs_gemm = pytest.mark.skipif(not int8_gemm.available() or cpu_dispatch.cpu_kind(cpu_features()) == "no_vnni",
                                 reason="needs a C++ compiler and a CPU with VNNI")
+needs_amx = pytest.mark.skipif(not int8_gemm.uses_amx(), reason="needs a CPU with AMX")
+# The two GEMMs, by the weight's layout: torch._int_mm's [out, in], and cpu_int8_gemm.cpp's AMX tiles.
+LAYOUTS = [pytest.param(lambda q: q, id="onednn"), pytest.param(int8_gemm.pack_weight, id="amx", marks=needs_amx)]
 
 
 def int8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -26,12 +30,13 @@ def int8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias:
 
 
 @needs_gemm
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(13, 48), (40, 96), (24, 576), (8, 7)])  # [out, in]: odd sizes too
 @pytest.mark.parametrize("rows", [1, 5, 300])  # 300: three chunks of products (CHUNK_ROWS)
 @pytest.mark.parametrize("with_bias", [False, True])
 @torch.inference_mode()
-def test_int8_linear_matches_its_arithmetic_in_torch(dtype, shape, rows, with_bias):
+def test_int8_linear_matches_its_arithmetic_in_torch(layout, dtype, shape, rows, with_bias):
     out_features, in_features = shape
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=gen) * torch.logspace(-2, 0, out_features)[:, None]
@@ -41,7 +46,7 @@ def test_int8_linear_matches_its_arithmetic_in_torch(dtype, shape, rows, with_bi
     x[..., 3] *= 50  # an outlier feature
     x[0, 0] = 0  # a row of zeros
     x = x.to(dtype)
-    out = int8_linear(x, q.contiguous(), scales, bias)
+    out = int8_linear(x, layout(q.contiguous()), scales, bias)
     expected = int8_reference(x, q, scales, bias).view(2, rows, out_features)
     assert out.dtype == dtype and out.shape == expected.shape
     # float32 rounds the sums, bf16 the output to 8 bits of mantissa; and now and then an x value
@@ -57,12 +62,14 @@ def test_int8_linear_matches_its_arithmetic_in_torch(dtype, shape, rows, with_bi
 
 
 @needs_gemm
+@pytest.mark.parametrize("layout", LAYOUTS)
 @torch.inference_mode()
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(layout):
     """Every product is an exact integer and the scales are the row's own: bit for bit the same row
-    alone, among 7 others, or among 299 (three GEMM chunks, each blocked its own way)."""
+    alone, among 7 others, or among 299 (three GEMM chunks, or 19 blocks of AMX tiles)."""
     gen = torch.Generator().manual_seed(0)
     q, scales = quantization.quantize_int8(torch.randn(3072, 576, generator=gen))
+    q = layout(q)
     x = torch.randn(300, 576, generator=gen).to(torch.bfloat16)
     x[:, 7] *= 100
     alone = int8_linear(x[150:151], q, scales, None)
@@ -77,6 +84,25 @@ def test_the_gemm_is_exact_at_the_extremes():
     a[1] = -127
     b = a[:2].t().contiguous()
     assert torch.equal(torch._int_mm(a, b), a.int() @ b.int())
+
+
+@needs_gemm
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3072, 576), (40, 1536), (8, 7)])
+@torch.inference_mode()
+def test_amx_gives_onednns_bits(dtype, shape):
+    """The same exact integer sums, rescaled by the same C++: AMX's tiles and torch._int_mm agree to
+    the bit, at the extremes too (rows of x at full scale, weight rows of +-127: sums of 127 x 127)."""
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(0)
+    q, scales = quantization.quantize_int8(torch.randn(out_features, in_features, generator=gen))
+    q[0], q[-1] = 127, -127
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    x = torch.randn(37, in_features, generator=gen)
+    x[3], x[4] = 5.0, -5.0  # every value at the row's largest: digits of +-127 and 0
+    x = x.to(dtype)
+    assert torch.equal(int8_linear(x, int8_gemm.pack_weight(q), scales, bias), int8_linear(x, q, scales, bias))
 
 
 def test_int8_linear_refuses_what_it_cannot_compute():
@@ -107,6 +133,18 @@ def test_the_rule_reads_the_cpu_kind():
         assert all(rows is None or rows > 1 for rows in kind.values())  # batch 1 is always the kernel's
 
 
+def test_the_rules_rows_never_split_a_graph_bucket():
+    """A CPU graph's step is padded to its bucket: it must take the path its real rows take, decode
+    steps and verify steps (q tokens a sequence) alike, or a replay's tokens would differ from eager's."""
+    buckets = decode_buckets(max_num_seqs=256)
+    for kind in cpu_dispatch.GEMM_MIN_ROWS.values():
+        for rows in filter(None, kind.values()):
+            for n in range(1, CPU_GRAPH_MAX_BATCH + 1):
+                padded = next(b for b in buckets if b >= n)
+                for q in range(1, 17):
+                    assert (n * q >= rows) == (padded * q >= rows), (rows, n, q)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @torch.inference_mode()
 def test_a_quantized_layer_switches_to_the_gemm_from_the_rules_rows(fmt, monkeypatch):
@@ -119,9 +157,11 @@ def test_a_quantized_layer_switches_to_the_gemm_from_the_rules_rows(fmt, monkeyp
     layer(torch.randn(2, 2, 64))
     assert calls == [(2, 2, 64)]
     # int4's int8 copy is its int4 values rounded again: within half an int8 step of them
+    gemm_q, gemm_scales = quantization.gemm_weight(layer.qweight, layer.scales)
+    assert torch.equal(layer.gemm_weight, int8_gemm.pack_weight(gemm_q)) and torch.equal(layer.gemm_scales, gemm_scales)
     int4_values = quantization.dequantize_packed(layer.qweight, layer.scales)
-    gemm_values = quantization.dequantize_int8(layer.gemm_weight, layer.gemm_scales)
-    assert ((gemm_values - int4_values).abs() <= layer.gemm_scales[:, None] / 2 + 1e-6).all()
+    gemm_values = quantization.dequantize_int8(gemm_q, gemm_scales)
+    assert ((gemm_values - int4_values).abs() <= gemm_scales[:, None] / 2 + 1e-6).all()
 
 
 @needs_gemm

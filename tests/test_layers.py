@@ -101,6 +101,20 @@ def test_linear_kernel_matches_a_float32_product_rounded_once(rows, out_features
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=ULP[torch.bfloat16])
 
 
+@pytest.mark.skipif(not HAS_AVX512_BF16, reason="cpu_linear.cpp needs a CPU with AVX512-BF16")
+@pytest.mark.parametrize("in_features", [576, 1538])  # with AMX: its tiles (k in 32s), and vdpbf16ps
+def test_linear_kernel_computes_a_row_the_same_way_at_every_batch_size(in_features):
+    """What seeded bf16 samples rely on: a row alone, as the last of 41 (AMX: a block of 32 and 9
+    rows copied apart) and among 500 (15 blocks and 20 rows), the same bits."""
+    torch.manual_seed(0)
+    packed = cpu_kernels.pack_linear_weight(torch.randn(960, in_features).bfloat16())
+    x = torch.randn(500, in_features).bfloat16()
+    alone = cpu_kernels.linear(x[40:41], packed, None, 960)
+    assert torch.equal(cpu_kernels.linear(x[:41], packed, None, 960)[40:], alone)
+    assert torch.equal(cpu_kernels.linear(x, packed, None, 960)[40:41], alone)
+    assert torch.equal(cpu_kernels.linear(x[24:41], packed, None, 960)[16:], alone)  # 17 rows: a lower half too
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rotary_kernel_matches_torch_on_views_into_the_qkv_output(dtype):
     """The kernel rotates q and k in place inside the fused qkv tensor and leaves v alone."""

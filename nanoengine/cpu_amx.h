@@ -1,0 +1,45 @@
+// AMX's tiles, for the kernels that use them (cpu_linear.cpp in bf16, cpu_int8_gemm.cpp in int8),
+// where the compiler was told the CPU has them (-march=native on a CPU with AMX).
+//
+// A tile register holds 16 rows of 64 bytes. One tile instruction multiplies a tile of x (16 rows
+// by 64 bytes of k) by a tile of the weight (the same k for 16 columns, laid out as 16 rows of k
+// pairs or quads, column by column) into 16 x 16 float32 or int32 sums: 16 x 16 x 32 bf16 or
+// 16 x 16 x 64 int8 multiply-adds, 256 times what one 512-bit vector instruction does. Both
+// kernels block the same way: 32 rows by 32 columns, two tiles of x, two of the weight, four of
+// sums, all eight tile registers, and each sum is made over k in the same order whatever the
+// number of rows.
+#pragma once
+#if defined(__AMX_TILE__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+
+// Linux gives a process AMX's 8 KB of tile state only once it asks (arch_prctl, XTILEDATA), for
+// the whole process, as oneDNN asks too; a thread that uses the tiles unasked is killed. Asked once.
+static inline bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+  return granted;
+}
+
+// Every tile register 16 rows of 64 bytes, for this thread (each thread loads its own).
+static inline void configure_tiles() {
+  struct {  // the hardware's 64-byte format (palette 1)
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; t++) config.rows[t] = 16, config.bytes_per_row[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+// Tiles 0-3 (sums) side by side into a [32][32] array of 4-byte sums.
+template <typename S>
+static inline void store_sums(S (*sums)[32]) {
+  _tile_stored(0, &sums[0][0], 32 * sizeof(S));
+  _tile_stored(1, &sums[0][16], 32 * sizeof(S));
+  _tile_stored(2, &sums[16][0], 32 * sizeof(S));
+  _tile_stored(3, &sums[16][16], 32 * sizeof(S));
+}
+#endif

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from nanoengine import LLM, SamplingParams
 from nanoengine.config import Config
 from nanoengine.linear import Linear
-from nanoengine import cpu_dispatch, cpu_kernels
+from nanoengine import cpu_dispatch, cpu_kernels, int8_gemm
 from tests.test_int8_gemm import needs_gemm
 from nanoengine.quantization import (FORMATS, GROUP_SIZE, can_quantize, dequantize_int4, dequantize_int8,
                                      dequantize_packed, quantize_int4, quantize_int8, quantize_weight)
@@ -123,9 +123,11 @@ def test_without_a_compiler_the_layer_dequantizes(fmt, monkeypatch):
     layer = Linear(2 * GROUP_SIZE, 8, bias=False)
     layer.weight.data = weight(8, 2 * GROUP_SIZE)
     w = layer.weight.data.clone()
-    layer.quantize(fmt)
-    x = torch.randn(3, 2 * GROUP_SIZE)
     monkeypatch.setattr(cpu_kernels, "load", lambda *args: None)
+    monkeypatch.setattr(int8_gemm, "load", lambda *args: None)  # so no int8 GEMM either
+    layer.quantize(fmt)
+    assert layer.gemm_min_rows is None
+    x = torch.randn(3, 2 * GROUP_SIZE)
     torch.testing.assert_close(layer(x), F.linear(x, dequantized(w, fmt)))
 
 

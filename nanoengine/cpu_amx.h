@@ -16,6 +16,10 @@
 
 #include <cstdint>
 
+// Blocks of 32 rows taken at a time (256 rows; x's share of a core's 2 MB L2 at K = 1536) while
+// every strip of columns passes.
+constexpr int AMX_CHUNK = 8;
+
 // Linux gives a process AMX's 8 KB of tile state only once it asks (arch_prctl, XTILEDATA), for
 // the whole process, as oneDNN asks too; a thread that uses the tiles unasked is killed. Asked once.
 static inline bool amx_granted() {

@@ -66,8 +66,9 @@ static void rescale(const int32_t* acc, const float* x_scales, const float* w_sc
 // by a tile of the weight (64 values of k for 16 columns, 16 rows of 4 k's per column) into
 // 16 x 16 int32 sums. oneDNN's int8 GEMM as torch calls it (torch._int_mm) does not use AMX, nor
 // fold in the rescale; this does, two to four times faster (docs/quantization.md). A thread takes
-// a strip of 32 columns and sweeps every block of 32 digit rows along it, so the strip's weight is
-// read from memory once and then from cache; each block's sums are rescaled as soon as it is done.
+// a strip of 32 columns and sweeps a chunk of blocks of 32 digit rows along it (AMX_CHUNK at a
+// time, as cpu_linear.cpp does), so the strip's weight is read from memory once a chunk and then
+// from cache; each block's sums are rescaled as soon as it is done.
 //
 // Layouts: q int8 [ceil(2M / 32) * 32, Kp] (Kp = K rounded up to 64; the padding may hold
 // anything, as the weight is zero there); w from int8_gemm.pack_weight, [ceil(N / 32) * 2, Kp / 64,
@@ -88,36 +89,38 @@ static int amx_gemm(const int8_t* q, const float* x_scales, int M, int Kp, const
   {
     configure_tiles();
     alignas(64) int32_t sums[32][32];
+    for (int chunk = 0; chunk < row_blocks; chunk += AMX_CHUNK) {
 #pragma omp for schedule(static)
-    for (int s = 0; s < strips; s++) {
-      const int8_t* w0 = w + int64_t(2 * s) * k_blocks * TILE_SIZE;  // the strip's two columns of tiles
-      const int8_t* w1 = w0 + int64_t(k_blocks) * TILE_SIZE;
-      const int n0 = 32 * s, columns = std::min(32, N - n0);
-      alignas(64) float w_scale[32] = {};
-      alignas(64) T b[32] = {};
-      std::copy(w_scales + n0, w_scales + n0 + columns, w_scale);
-      if (bias) std::copy(bias + n0, bias + n0 + columns, b);
-      for (int r = 0; r < row_blocks; r++) {
-        const int8_t* q0 = q + int64_t(32 * r) * Kp;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int kb = 0; kb < k_blocks; kb++) {
-          _tile_loadd(4, q0 + kb * TILE_BYTES, Kp);
-          _tile_loadd(5, q0 + 16 * Kp + kb * TILE_BYTES, Kp);
-          _tile_loadd(6, w0 + kb * TILE_SIZE, TILE_BYTES);
-          _tile_loadd(7, w1 + kb * TILE_SIZE, TILE_BYTES);
-          _tile_dpbssd(0, 4, 6);
-          _tile_dpbssd(1, 4, 7);
-          _tile_dpbssd(2, 5, 6);
-          _tile_dpbssd(3, 5, 7);
-        }
-        store_sums(sums);
-        for (int i = 0, m = 16 * r; i < 16 && m < M; i++, m++) {
-          alignas(64) T y[32];
-          rescale_row(sums[2 * i], sums[2 * i + 1], x_scales[m], w_scale, bias ? b : nullptr, y, 32);
-          std::copy(y, y + columns, out + int64_t(m) * N + n0);
+      for (int s = 0; s < strips; s++) {
+        const int8_t* w0 = w + int64_t(2 * s) * k_blocks * TILE_SIZE;  // the strip's two columns of tiles
+        const int8_t* w1 = w0 + int64_t(k_blocks) * TILE_SIZE;
+        const int n0 = 32 * s, columns = std::min(32, N - n0);
+        alignas(64) float w_scale[32] = {};
+        alignas(64) T b[32] = {};
+        std::copy(w_scales + n0, w_scales + n0 + columns, w_scale);
+        if (bias) std::copy(bias + n0, bias + n0 + columns, b);
+        for (int r = chunk; r < std::min(row_blocks, chunk + AMX_CHUNK); r++) {
+          const int8_t* q0 = q + int64_t(32 * r) * Kp;
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int kb = 0; kb < k_blocks; kb++) {
+            _tile_loadd(4, q0 + kb * TILE_BYTES, Kp);
+            _tile_loadd(5, q0 + 16 * Kp + kb * TILE_BYTES, Kp);
+            _tile_loadd(6, w0 + kb * TILE_SIZE, TILE_BYTES);
+            _tile_loadd(7, w1 + kb * TILE_SIZE, TILE_BYTES);
+            _tile_dpbssd(0, 4, 6);
+            _tile_dpbssd(1, 4, 7);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbssd(3, 5, 7);
+          }
+          store_sums(sums);
+          for (int i = 0, m = 16 * r; i < 16 && m < M; i++, m++) {
+            alignas(64) T y[32];
+            rescale_row(sums[2 * i], sums[2 * i + 1], x_scales[m], w_scale, bias ? b : nullptr, y, 32);
+            std::copy(y, y + columns, out + int64_t(m) * N + n0);
+          }
         }
       }
     }

@@ -38,6 +38,12 @@ static inline void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
+// Two tiles' bytes (2 KB) of a weight strip into cache, ahead of the loads that will want them.
+constexpr int TILE_BYTES = 64;
+static inline void prefetch_tiles(const char* p) {
+  for (int line = 0; line < 2 * 16 * TILE_BYTES; line += 64) _mm_prefetch(p + line, _MM_HINT_T0);
+}
+
 // Tiles 0-3 (sums) side by side into a [32][32] array of 4-byte sums.
 template <typename S>
 static inline void store_sums(S (*sums)[32]) {

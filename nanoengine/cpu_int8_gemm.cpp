@@ -77,7 +77,7 @@ static void rescale(const int32_t* acc, const float* x_scales, const float* w_sc
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include "cpu_amx.h"
 
-constexpr int TILE_BYTES = 64, TILE_SIZE = 16 * TILE_BYTES;
+constexpr int TILE_SIZE = 16 * TILE_BYTES;
 
 extern "C" int amx_ready() { return amx_granted() ? 0 : -1; }
 
@@ -105,7 +105,10 @@ static int amx_gemm(const int8_t* q, const float* x_scales, int M, int Kp, const
           _tile_zero(1);
           _tile_zero(2);
           _tile_zero(3);
+          // the first block of rows prefetches the next strip, as cpu_linear.cpp's does
+          const int8_t* next = r == chunk && s + 1 < strips ? w1 + int64_t(k_blocks) * TILE_SIZE : nullptr;
           for (int kb = 0; kb < k_blocks; kb++) {
+            if (next) prefetch_tiles(reinterpret_cast<const char*>(next + kb * 2 * TILE_SIZE));
             _tile_loadd(4, q0 + kb * TILE_BYTES, Kp);
             _tile_loadd(5, q0 + 16 * Kp + kb * TILE_BYTES, Kp);
             _tile_loadd(6, w0 + kb * TILE_SIZE, TILE_BYTES);

@@ -106,7 +106,13 @@ static void linear_amx(const uint16_t* x, int64_t x_stride, const uint16_t* w, c
           _tile_zero(1);
           _tile_zero(2);
           _tile_zero(3);
+          // The first block of rows reads the strip from memory, and prefetches the next one (at
+          // batch 1 the tiles otherwise wait on memory: 30 layers' matmuls between other kernels
+          // took 16-18 ms against 12-13 with vdpbf16ps, and 14-15 with this).
+          const bool first = block == chunk && s + 1 < strips;
+          const char* next = first ? reinterpret_cast<const char*>(ws + int64_t(K) * COLUMNS) : nullptr;
           for (int kb = 0; kb < k_blocks; kb++) {
+            if (next) prefetch_tiles(next + kb * 2 * TILE_BYTES * 16);
             _tile_loadd(6, ws + kb * 32 * COLUMNS, 2 * COLUMNS * sizeof(uint16_t));
             _tile_loadd(7, ws + kb * 32 * COLUMNS + 32, 2 * COLUMNS * sizeof(uint16_t));
             _tile_loadd(4, x0 + kb * 32, stride);

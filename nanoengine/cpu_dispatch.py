@@ -11,7 +11,7 @@ for arithmetic to be what costs, it wins.
 faster, summed over a decoder layer's four matmuls of the default model (576 -> 960, 576 -> 576,
 576 -> 3072, 1536 -> 576), bf16 activations, both threads of a 2-core Sapphire Rapids
 (docs/quantization.md has the sweep and its command): with AMX, the GEMM on tiles is level with
-the kernel at 2 rows in int8 and 4 in int4, and ahead from 3 and 5. The other kinds were that
+the kernel at 2-3 rows in int8 and 4-5 in int4, and ahead from 4 and 8. The other kinds were that
 machine with oneDNN held below AMX (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, as on a Cooper Lake
 or a Zen 4; ``AVX2_VNNI``, as on an Alder Lake, with the C++ kernel compiled for Haswell), where
 oneDNN's GEMM caught up between 8 and 12 rows and between 12 and 24: estimates until measured on

@@ -78,13 +78,17 @@ static void strip(const uint16_t* x, int64_t x_stride, const uint16_t* w, const 
 // decode step's rows are one chunk, so the strip is read from memory once); a prefill's rows are
 // taken AMX_CHUNK blocks at a time, so that they stay in each core's cache while every strip
 // passes (4,096 rows, three shapes: 1.1-1.6 -> 1.2-2.1 TFLOP/s). Tiles load 16 rows, so the last rows of x
-// (M % 32) are copied into a block of their own, zero below them. K is a multiple of 32.
+// (M % 32) are copied into a block of their own, this thread's (a row's sums are its own, so what
+// the rows below them hold from an earlier call does not matter, and is never stored). K is a
+// multiple of 32.
 static void linear_amx(const uint16_t* x, int64_t x_stride, const uint16_t* w, const uint16_t* bias, uint16_t* out,
                        int M, int N, int K, int num_threads) {
   const int strips = (N + COLUMNS - 1) / COLUMNS, k_blocks = K / 32, full = M / 32, tail = M % 32;
   const int blocks = full + (tail > 0);
-  std::vector<uint16_t> last(tail ? 32 * K : 0);
+  static thread_local std::vector<uint16_t> last;  // not zeroed each call: at batch 1, 121 of them a step
+  if (last.size() < size_t(32) * K) last.resize(size_t(32) * K);
   for (int r = 0; r < tail; r++) std::memcpy(&last[r * K], x + (32 * full + r) * x_stride, K * sizeof(uint16_t));
+  const uint16_t* last_block = last.data();  // the calling thread's, for every thread below
 #pragma omp parallel num_threads(num_threads)
   {
     configure_tiles();
@@ -99,7 +103,7 @@ static void linear_amx(const uint16_t* x, int64_t x_stride, const uint16_t* w, c
         const uint32_t mask = columns == COLUMNS ? ~0u : (1u << columns) - 1;
         for (int block = chunk; block < std::min(blocks, chunk + AMX_CHUNK); block++) {
           const bool is_last = block == full;
-          const uint16_t* x0 = is_last ? last.data() : x + int64_t(32 * block) * x_stride;
+          const uint16_t* x0 = is_last ? last_block : x + int64_t(32 * block) * x_stride;
           const int64_t stride = (is_last ? K : x_stride) * sizeof(uint16_t);
           const int rows = is_last ? tail : 32;
           _tile_zero(0);

@@ -107,16 +107,19 @@ static int amx_gemm(const int8_t* q, const float* x_scales, int M, int Kp, const
           _tile_zero(3);
           // the first block of rows prefetches the next strip, as cpu_linear.cpp's does
           const int8_t* next = r == chunk && s + 1 < strips ? w1 + int64_t(k_blocks) * TILE_SIZE : nullptr;
+          const bool lower_half = 2 * M > 32 * r + 16;  // a last block of at most 8 rows of x skips it
           for (int kb = 0; kb < k_blocks; kb++) {
             if (next) prefetch_tiles(reinterpret_cast<const char*>(next + kb * 2 * TILE_SIZE));
-            _tile_loadd(4, q0 + kb * TILE_BYTES, Kp);
-            _tile_loadd(5, q0 + 16 * Kp + kb * TILE_BYTES, Kp);
             _tile_loadd(6, w0 + kb * TILE_SIZE, TILE_BYTES);
             _tile_loadd(7, w1 + kb * TILE_SIZE, TILE_BYTES);
+            _tile_loadd(4, q0 + kb * TILE_BYTES, Kp);
             _tile_dpbssd(0, 4, 6);
             _tile_dpbssd(1, 4, 7);
-            _tile_dpbssd(2, 5, 6);
-            _tile_dpbssd(3, 5, 7);
+            if (lower_half) {
+              _tile_loadd(5, q0 + 16 * Kp + kb * TILE_BYTES, Kp);
+              _tile_dpbssd(2, 5, 6);
+              _tile_dpbssd(3, 5, 7);
+            }
           }
           store_sums(sums);
           for (int i = 0, m = 16 * r; i < 16 && m < M; i++, m++) {

@@ -77,10 +77,10 @@ static void strip(const uint16_t* x, int64_t x_stride, const uint16_t* w, const 
 // bytes, one half each). A thread takes a strip and sweeps a chunk of blocks of rows along it (a
 // decode step's rows are one chunk, so the strip is read from memory once); a prefill's rows are
 // taken AMX_CHUNK blocks at a time, so that they stay in each core's cache while every strip
-// passes (4,096 rows, three shapes: 1.1-1.6 -> 1.2-2.1 TFLOP/s). Tiles load 16 rows, so the last rows of x
-// (M % 32) are copied into a block of their own, this thread's (a row's sums are its own, so what
-// the rows below them hold from an earlier call does not matter, and is never stored). K is a
-// multiple of 32.
+// passes (4,096 rows, three shapes: 1.1-1.6 -> 1.2-2.1 TFLOP/s). Tiles load 16 rows, so the last
+// rows of x (M % 32) are copied into a block of their own, this thread's (a row's sums are its
+// own, so what the rows below them hold from an earlier call does not matter, and is never
+// stored). K is a multiple of 32.
 static void linear_amx(const uint16_t* x, int64_t x_stride, const uint16_t* w, const uint16_t* bias, uint16_t* out,
                        int M, int N, int K, int num_threads) {
   const int strips = (N + COLUMNS - 1) / COLUMNS, k_blocks = K / 32, full = M / 32, tail = M % 32;

@@ -306,8 +306,9 @@ def main():
         "quantization": args.quantization,
         "tensor_parallel_size": args.tensor_parallel_size,
         "threads": torch.get_num_threads(),
-        "prefill_tok_per_s": s["prefill_tokens"] / s["prefill_seconds"],
-        "decode_tok_per_s": s["decode_tokens"] / s["decode_seconds"],
+        # 0 where a run had no such step (a one-token output never decodes)
+        "prefill_tok_per_s": s["prefill_tokens"] / s["prefill_seconds"] if s["prefill_seconds"] else 0.0,
+        "decode_tok_per_s": s["decode_tokens"] / s["decode_seconds"] if s["decode_seconds"] else 0.0,
         "mean_decode_batch": s["decode_tokens"] / max(s["decode_steps"], 1),
         "num_preemptions": s["num_preemptions"],
         "prefix_cache_hit_rate": s["prefix_cache_hit_tokens"] / max(s["prompt_tokens"], 1),
@@ -322,9 +323,9 @@ def main():
     if args.num_seqs == 1:
         # One request: its latency, to set beside llama.cpp's llama-bench (tg128 is 1e3 / TPOT).
         # TTFT is the prefill step; TPOT the decode steps' time per token they gave (all but the
-        # first; a step gives more than one with speculative decoding).
+        # first; a step gives more than one with speculative decoding), None for a one-token output.
         results.update(ttft_ms=1e3 * s["prefill_seconds"] / s["prefill_steps"],
-                       tpot_ms=1e3 * s["decode_seconds"] / max(total - 1, 1))
+                       tpot_ms=1e3 * s["decode_seconds"] / (total - 1) if total > 1 else None)
     print(f"dtype: {results['dtype']}, quantization: {args.quantization}, threads: {results['threads']}, "
           f"device: {llm.model_runner.device}, tensor parallel size: {args.tensor_parallel_size}")
     print(f"Prefill: {results['prefill_tok_per_s']:.2f}tok/s, Decode: {results['decode_tok_per_s']:.2f}tok/s, "
@@ -336,8 +337,9 @@ def main():
               f"{results['spec_decode_num_draft_tokens']} draft tokens accepted, mean accepted length "
               f"{results['mean_accepted_length']:.2f}")
     if args.num_seqs == 1:
-        print(f"Single request: TTFT: {results['ttft_ms']:.1f}ms, TPOT: {results['tpot_ms']:.2f}ms "
-              f"({1e3 / results['tpot_ms']:.1f}tok/s)")
+        tpot = results["tpot_ms"]
+        print(f"Single request: TTFT: {results['ttft_ms']:.1f}ms, "
+              + (f"TPOT: {tpot:.2f}ms ({1e3 / tpot:.1f}tok/s)" if tpot else "no TPOT (one output token)"))
     if args.timeline:
         plot_timeline(observer.records, args.timeline, f"bench.py: {args.num_seqs} requests, {total} output tokens, "
                       f"{'chunked prefill' if args.enable_chunked_prefill else 'prefill-first'}")

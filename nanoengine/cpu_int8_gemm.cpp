@@ -85,6 +85,7 @@ template <typename T>
 static int amx_gemm(const int8_t* q, const float* x_scales, int M, int Kp, const int8_t* w, const float* w_scales,
                     const T* bias, T* out, int N, int num_threads) {
   const int strips = (N + 31) / 32, k_blocks = Kp / TILE_BYTES, row_blocks = (2 * M + 31) / 32;
+  const bool stream = streams_out(out, M, N, sizeof(T));
 #pragma omp parallel num_threads(num_threads)
   {
     configure_tiles();
@@ -125,11 +126,18 @@ static int amx_gemm(const int8_t* q, const float* x_scales, int M, int Kp, const
           for (int i = 0, m = 16 * r; i < 16 && m < M; i++, m++) {
             alignas(64) T y[32];
             rescale_row(sums[2 * i], sums[2 * i + 1], x_scales[m], w_scale, bias ? b : nullptr, y, 32);
-            std::copy(y, y + columns, out + int64_t(m) * N + n0);
+            T* o = out + int64_t(m) * N + n0;
+            if (columns < 32) {
+              std::copy(y, y + columns, o);
+              continue;
+            }
+            for (int byte = 0; byte < int(sizeof y); byte += 64)
+              store_line(reinterpret_cast<char*>(o) + byte, _mm512_load_si512(reinterpret_cast<char*>(y) + byte), stream);
           }
         }
       }
     }
+    _mm_sfence();
     _tile_release();
   }
   return 0;

@@ -89,6 +89,7 @@ static void linear_amx(const uint16_t* x, int64_t x_stride, const uint16_t* w, c
   if (last.size() < size_t(32) * K) last.resize(size_t(32) * K);
   for (int r = 0; r < tail; r++) std::memcpy(&last[r * K], x + (32 * full + r) * x_stride, K * sizeof(uint16_t));
   const uint16_t* last_block = last.data();  // the calling thread's, for every thread below
+  const bool stream = streams_out(out, M, N, sizeof(uint16_t));
 #pragma omp parallel num_threads(num_threads)
   {
     configure_tiles();
@@ -131,13 +132,19 @@ static void linear_amx(const uint16_t* x, int64_t x_stride, const uint16_t* w, c
           store_sums(sums);
           for (int i = 0; i < rows; i++) {  // bias, then one rounding to bfloat16, as below
             uint16_t* o = out + int64_t(32 * block + i) * N + s * COLUMNS;
-            _mm256_mask_storeu_epi16(o, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums[i]) + _mm512_load_ps(b)));
-            _mm256_mask_storeu_epi16(o + 16, mask >> 16,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums[i] + 16) + _mm512_load_ps(b + 16)));
+            const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums[i]) + _mm512_load_ps(b));
+            const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums[i] + 16) + _mm512_load_ps(b + 16));
+            if (columns == COLUMNS) {
+              store_line(o, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), stream);
+            } else {
+              _mm256_mask_storeu_epi16(o, mask, lo);
+              _mm256_mask_storeu_epi16(o + 16, mask >> 16, hi);
+            }
           }
         }
       }
     }
+    _mm_sfence();
     _tile_release();
   }
 }

@@ -29,11 +29,12 @@ from nanoengine.context import Context
 from nanoengine.cpu_graph import CPUGraph, GraphCaptureError, ReplayError
 
 # Measured on the default model, 2 cores, ms per decode step with a CPU graph against without: int4
-# 8.4-8.9 vs 19-22 at batch 1, 27-33 vs 46-49 at batch 8, 145-149 vs 144-174 at 32 (float32: 47-48
-# vs 56-57, 78-90 vs 95-103, 163-177 vs 166-183). The Python a graph removes is about the same
-# at every batch size, so past 32 it is lost in the kernels' time, while a graph keeps every
-# activation of its step alive (32 MB at batch 32).
-CPU_GRAPH_MAX_BATCH = 32
+# 8.4-8.9 vs 19-22 at batch 1, 27-33 vs 46-49 at batch 8. The Python a graph removes is about the
+# same at every batch size, 10-20 ms a step; once the matmuls ran on AMX tiles (bf16, Sapphire
+# Rapids) that was still a fifth of a step at 48 and 64 (39-66 vs 56-72 ms, 52-60 vs 62-82), and
+# bench.py's decode went from 617-713 to 790-898 tok/s. The cap bounds what graphs keep alive,
+# every activation of their step (32 MB at batch 64 in bf16); past 64 the gain is unmeasured.
+CPU_GRAPH_MAX_BATCH = 64
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:

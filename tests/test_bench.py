@@ -41,6 +41,15 @@ def test_bench_reports_a_single_requests_ttft_and_tpot(tiny_models, tmp_path):
     assert line and float(line.group(2)) == round(results["tpot_ms"], 2)
 
 
+def test_bench_runs_one_token_outputs_which_never_decode(tiny_models, tmp_path):
+    """A prefill-only run (output length 1) reports no decode rate and no TPOT, without dividing by zero."""
+    stdout, results = run_bench(tiny_models["llama"], tmp_path, "--num-seqs", "1", "--min-input-len", "20",
+                                "--max-input-len", "20", "--min-output-len", "1", "--max-output-len", "1")
+    assert results["total_tokens"] == 1 and results["prefill_tok_per_s"] > 0
+    assert results["decode_tok_per_s"] == 0 and results["tpot_ms"] is None
+    assert "no TPOT (one output token)" in stdout
+
+
 def test_bench_grounded_workload_with_speculation_reports_the_accepted_length(tiny_models, tmp_path):
     """--workload grounded (chat prompts asking to repeat passages) with n-gram drafts."""
     out_json = tmp_path / "bench.json"

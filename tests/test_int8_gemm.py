@@ -90,8 +90,9 @@ def test_the_gemm_is_exact_at_the_extremes():
 @needs_amx
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3072, 576), (40, 1536), (8, 7)])
+@pytest.mark.parametrize("rows", [37, 700])  # 700 x 3072: an output of 4 MB and more, streamed past the cache
 @torch.inference_mode()
-def test_amx_gives_onednns_bits(dtype, shape):
+def test_amx_gives_onednns_bits(dtype, shape, rows):
     """The same exact integer sums, rescaled by the same C++: AMX's tiles and torch._int_mm agree to
     the bit, at the extremes too (rows of x at full scale, weight rows of +-127: sums of 127 x 127)."""
     out_features, in_features = shape
@@ -99,7 +100,7 @@ def test_amx_gives_onednns_bits(dtype, shape):
     q, scales = quantization.quantize_int8(torch.randn(out_features, in_features, generator=gen))
     q[0], q[-1] = 127, -127
     bias = torch.randn(out_features, generator=gen).to(dtype)
-    x = torch.randn(37, in_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
     x[3], x[4] = 5.0, -5.0  # every value at the row's largest: digits of +-127 and 0
     x = x.to(dtype)
     assert torch.equal(int8_linear(x, int8_gemm.pack_weight(q), scales, bias), int8_linear(x, q, scales, bias))

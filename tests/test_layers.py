@@ -82,7 +82,7 @@ HAS_AVX512_BF16 = "avx512_bf16" in cpu_library.cpu_features().split()
 
 
 @pytest.mark.skipif(not HAS_AVX512_BF16, reason="cpu_linear.cpp needs a CPU with AVX512-BF16")
-@pytest.mark.parametrize("rows", [0, 1, 13, 15, 41, 64, 500])  # row blocks of 14, chunks of 224
+@pytest.mark.parametrize("rows", [0, 1, 13, 15, 41, 64, 500, 2200])  # row blocks of 14, chunks of 224; 2200 x 960: streamed
 @pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (100, 64, True), (3, 1538, True)])
 def test_linear_kernel_matches_a_float32_product_rounded_once(rows, out_features, in_features, bias):
     """Output widths not a multiple of the 32-column strips, a bias, and x a strided view.
@@ -105,12 +105,14 @@ def test_linear_kernel_matches_a_float32_product_rounded_once(rows, out_features
 @pytest.mark.parametrize("in_features", [576, 1538])  # with AMX: its tiles (k in 32s), and vdpbf16ps
 def test_linear_kernel_computes_a_row_the_same_way_at_every_batch_size(in_features):
     """What seeded bf16 samples rely on: a row alone, as the last of 41 (AMX: a block of 32 and 9
-    rows copied apart) and among 500 (15 blocks and 20 rows), the same bits."""
+    rows copied apart), among 500 (15 blocks and 20 rows) and among 2,200 (an output of 4 MB and
+    more, streamed past the cache), the same bits."""
     torch.manual_seed(0)
     packed = cpu_kernels.pack_linear_weight(torch.randn(960, in_features).bfloat16())
-    x = torch.randn(500, in_features).bfloat16()
+    x = torch.randn(2200, in_features).bfloat16()
     alone = cpu_kernels.linear(x[40:41], packed, None, 960)
     assert torch.equal(cpu_kernels.linear(x[:41], packed, None, 960)[40:], alone)
+    assert torch.equal(cpu_kernels.linear(x[:500], packed, None, 960)[40:41], alone)
     assert torch.equal(cpu_kernels.linear(x, packed, None, 960)[40:41], alone)
     assert torch.equal(cpu_kernels.linear(x[24:41], packed, None, 960)[16:], alone)  # 17 rows: a lower half too
 

@@ -236,13 +236,31 @@ static INLINE void chunk_rows(const uint16_t* cache, const int32_t* blocks, int 
   for (int j = 0; j < 16; j++) rows[j] = row_of(cache, blocks, std::min(t0 + j, seqlen - 1), block_size, slot_size);
 }
 
-static INLINE void prefetch_chunk(const uint16_t* cache, const int32_t* blocks, int t0, int seqlen, int block_size,
-                                  size_t slot_size, size_t row_size) {
-  for (int t = t0; t < std::min(t0 + 16, seqlen); t++) {
-    const char* row = reinterpret_cast<const char*>(row_of(cache, blocks, t, block_size, slot_size));
-    for (size_t byte = 0; byte < row_size * sizeof(uint16_t); byte += 64) _mm_prefetch(row + byte, _MM_HINT_T0);
+// The rows of the 16 tokens from t0 (tokens past the end: none), prefetched a few lines at a time
+// between the work on the chunk before (`some`), not all at once: a prefetch that finds every one
+// of the core's line-fill buffers taken waits for one to free, and the arithmetic behind it waited
+// too (batch 41 at 222 tokens, 30 layers: 15.1-17.5 -> 14.0-16.5 ms, three interleaved rounds).
+struct ChunkPrefetch {
+  const char* rows[16];
+  int lines = 0, lines_per_row = 1, next = 0;
+
+  INLINE void start(const uint16_t* cache, const int32_t* blocks, int t0, int seqlen, int block_size,
+                    size_t slot_size, size_t row_size) {
+    const int n = std::max(0, std::min(16, seqlen - t0));
+    for (int j = 0; j < n; j++)
+      rows[j] = reinterpret_cast<const char*>(row_of(cache, blocks, t0 + j, block_size, slot_size));
+    lines_per_row = int((row_size * sizeof(uint16_t) + 63) / 64);
+    lines = n * lines_per_row;
+    next = 0;
   }
-}
+  // The next `count` lines; a pass over the chunk before calls it `parts` times, each with
+  // share(parts), so that every line is asked for by its end.
+  INLINE void some(int count) {
+    for (; count > 0 && next < lines; count--, next++)
+      _mm_prefetch(rows[next / lines_per_row] + 64 * (next % lines_per_row), _MM_HINT_T0);
+  }
+  INLINE int share(int parts) const { return (lines + parts - 1) / parts; }
+};
 
 static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* blocks,
                    int seqlen, int block_size, int num_heads, int num_kv_heads, size_t slot_size, float scale,
@@ -262,11 +280,15 @@ static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
   float inverse_sum[MAX_HEADS];
   const uint16_t* rows[16];
 
-  prefetch_chunk(k_cache, blocks, 0, seqlen, block_size, slot_size, row_size);
+  ChunkPrefetch ahead;
+  ahead.start(k_cache, blocks, 0, seqlen, block_size, slot_size, row_size);
+  ahead.some(ahead.lines);
   for (int t0 = 0; t0 < seqlen; t0 += 16) {
-    prefetch_chunk(k_cache, blocks, t0 + 16, seqlen, block_size, slot_size, row_size);
+    ahead.start(k_cache, blocks, t0 + 16, seqlen, block_size, slot_size, row_size);
+    const int per_head = ahead.share(num_heads);
     chunk_rows(k_cache, blocks, t0, seqlen, block_size, slot_size, rows);
     for (int g = 0; g < num_heads; g++) {
+      ahead.some(per_head);
       const uint16_t* qg = q + g * D;
       const int kv_head = g / group;
       __m512 dots[16];
@@ -280,7 +302,8 @@ static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
     }
   }
 
-  prefetch_chunk(v_cache, blocks, 0, seqlen, block_size, slot_size, row_size);
+  ahead.start(v_cache, blocks, 0, seqlen, block_size, slot_size, row_size);
+  ahead.some(ahead.lines);
   for (int g = 0; g < num_heads; g++) {
     float* s = &scores[size_t(g) * padded];
     const float max = *std::max_element(s, s + seqlen);
@@ -295,10 +318,12 @@ static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
   }
 
   for (int t0 = 0; t0 < seqlen; t0 += 16) {
-    prefetch_chunk(v_cache, blocks, t0 + 16, seqlen, block_size, slot_size, row_size);
+    ahead.start(v_cache, blocks, t0 + 16, seqlen, block_size, slot_size, row_size);
+    const int per_pair = ahead.share(num_kv_heads * 8);  // a chunk with a next one is whole: 8 pairs of tokens
     chunk_rows(v_cache, blocks, t0, seqlen, block_size, slot_size, rows);
     for (int h = 0; h < num_kv_heads; h++)
       for (int i = 0; i < std::min(16, seqlen - t0); i += 2) {
+        ahead.some(per_pair);
         // Each 128-bit lane of unpacklo/hi holds 4 dimensions of both rows, paired:
         // pairs[2c] dimensions 32c + 8L + 0..3 of lane L, pairs[2c + 1] dimensions 32c + 8L + 4..7.
         __m512bh pairs[2 * C];

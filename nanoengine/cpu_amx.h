@@ -52,8 +52,9 @@ static inline void prefetch_tiles(const char* p) {
 // that no cache keeps until the next kernel reads them, costs a read as well as a write: with
 // streaming stores, whole lines that skip that read, the four matmuls of a SmolLM2 layer at 4,864
 // rows took 18.1-18.2 ms against 22.6-22.7 in bf16, and through the int8 GEMM 18.0-41.7 against
-// 27.5-53.3 (interleaved runs, two rounds). A decode step's output stays in cache for the next kernel.
-// Strips are whole lines when N is a multiple of 32 and out starts on one.
+// 27.5-53.3 (interleaved runs, two rounds). A decode step's layer outputs (64 rows at most, under
+// 1 MB) stay in cache for the next kernel; its LM head's logits pass 4 MB from 43 rows, and the
+// sampler reads them once. Strips are whole lines when N is a multiple of 32 and out starts on one.
 static inline bool streams_out(const void* out, int M, int N, int bytes_per_value) {
   return N % 32 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0 && int64_t(M) * N * bytes_per_value > (4 << 20);
 }

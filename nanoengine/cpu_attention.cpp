@@ -13,7 +13,7 @@
 // then scores tiles of query rows against a vector register's worth of keys at a time, which keeps
 // the scores in registers while it sweeps the head dimension. Where the CPU has AMX, bfloat16
 // prefill makes both of its products on the tiles instead (prefill_head_amx): the benchmark's
-// prompts (9,769 tokens, 9 heads over 3), five interleaved rounds, 20.5-27.7 -> 7.1-9.9 ms a layer.
+// prompts (9,769 tokens, 9 heads over 3), five interleaved rounds, 21.4-23.9 -> 7.1-9.9 ms a layer.
 //
 // nanoengine/cpu_library.py compiles this file on first use, for one head size (HEAD_DIM), and
 // cpu_kernels.py calls it through ctypes, having checked every argument's dtype and shape; each

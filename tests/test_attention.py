@@ -145,6 +145,18 @@ def test_decode_with_kvcache_matches_dense_and_zeroes_empty_rows(decode_attentio
     assert torch.equal(out[3], torch.zeros_like(out[3]))
 
 
+# Where the CPU has AMX, bf16 prefill at a head size that is a multiple of 64 runs on its tiles
+# (prefill_head_amx), with rows of (query, head of the group) pairs, 16 to a tile, and keys 64 at a
+# time: every group size, cached prefixes read from blocks of 4 and 16, and a prompt of 300.
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("heads", GQA + [(9, 3)])
+def test_bf16_prefill_at_head_size_64_for_each_group_size(heads, block_size):
+    assert cpu_library.load("cpu_attention.cpp", 64) is not None
+    args, kwargs, expected = varlen_case(WITH_PREFIX + [(0, 300), (70, 50)], heads, block_size,
+                                         dtype=torch.bfloat16, head_dim=64)
+    torch.testing.assert_close(flash_attn_varlen_func_cpu(*args, **kwargs).double(), expected, atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("lengths", [[17], [5, 0, 40], [3], [0], [300]])
 @pytest.mark.parametrize("heads", GQA + [(9, 3)])

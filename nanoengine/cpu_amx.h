@@ -1,11 +1,12 @@
-// AMX's tiles, for the kernels that use them (cpu_linear.cpp in bf16, cpu_int8_gemm.cpp in int8),
-// where the compiler was told the CPU has them (-march=native on a CPU with AMX).
+// AMX's tiles, for the kernels that use them (cpu_linear.cpp in bf16, cpu_int8_gemm.cpp in int8,
+// and cpu_attention.cpp's bf16 prefill), where the compiler was told the CPU has them
+// (-march=native on a CPU with AMX).
 //
 // A tile register holds 16 rows of 64 bytes. One tile instruction multiplies a tile of x (16 rows
 // by 64 bytes of k) by a tile of the weight (the same k for 16 columns, laid out as 16 rows of k
 // pairs or quads, column by column) into 16 x 16 float32 or int32 sums: 16 x 16 x 32 bf16 or
 // 16 x 16 x 64 int8 multiply-adds, 256 times what one 512-bit vector instruction does. Both
-// kernels block the same way: 32 rows by 32 columns, two tiles of x, two of the weight, four of
+// matmul kernels block the same way: 32 rows by 32 columns, two tiles of x, two of the weight, four of
 // sums, all eight tile registers, and each sum is made over k in the same order whatever the
 // number of rows.
 #pragma once

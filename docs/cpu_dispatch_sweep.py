@@ -37,7 +37,7 @@ def main() -> None:
     weights = {}
     for in_features, out_features in SHAPES:
         w = torch.randn(out_features, in_features)
-        q, scales = quantization.quantize_int8(w)
+        q, scales = int8_gemm.quantize_weight(w)
         weights[in_features, out_features] = dict(
             bf16=w.bfloat16(), packed=cpu_kernels.pack_linear_weight(w.bfloat16()) if has_bf16_kernel else None,
             int8=quantization.quantize_weight(w, "int8"), int4=quantization.quantize_weight(w, "int4"),

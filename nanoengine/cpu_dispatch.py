@@ -10,18 +10,21 @@ for arithmetic to be what costs, it wins.
 ``GEMM_MIN_ROWS`` is the fewest rows from which the GEMM is used, from the rows where it became
 faster, summed over a decoder layer's four matmuls of the default model (576 -> 960, 576 -> 576,
 576 -> 3072, 1536 -> 576), bf16 activations, both threads of a 2-core Sapphire Rapids
-(docs/quantization.md has the sweep and its command): with AMX, the GEMM on tiles is level with
-the kernel at 2-3 rows in int8 and 4-5 in int4, and ahead from 4 and 8. The other kinds were that
-machine with oneDNN held below AMX (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, as on a Cooper Lake
-or a Zen 4; ``AVX2_VNNI``, as on an Alder Lake, with the C++ kernel compiled for Haswell), where
-oneDNN's GEMM caught up between 8 and 12 rows and between 12 and 24: estimates until measured on
-such a machine. None: the GEMM never won by enough to pay for its copy of the weight.
+(docs/quantization.md has the sweep and its command): with AMX, the GEMM on tiles is behind the
+int8 kernel at 1 row and ahead from 2; level with the int4 kernel at 3-4 rows and ahead from 5.
+The other kinds were that machine with oneDNN held below AMX and the C++ kernels built without it
+(``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, as on a Cooper Lake or a Zen 4; ``AVX2_VNNI``, as on an
+Alder Lake, with the C++ kernels compiled for Haswell), where oneDNN's GEMM caught up with the
+int8 kernel between 8 and 12 rows, and with the int4 kernel between 17 and 24 rows and between 24
+and 32: estimates until measured on such a machine. None: the GEMM does not win by enough, early
+enough, to pay for its copy of the weight.
 
 Each count is also one past a batch bucket of the CPU graphs (1, 2, 4, 8, 16: graph_runner.py),
 so a graph's step, padded to its bucket, takes the path its unpadded rows would (a verify step's
 rows too, its sequences times the tokens each brings): a replay gives the eager step's tokens.
-Past 9 rows that no longer holds for verify steps, so the AVX-VNNI kind, whose crossover is
-higher, takes the GEMM from 9 rows too, a little early.
+Past 9 rows that no longer holds for verify steps, so int4 on AVX-512 VNNI, whose crossover is
+higher, takes the GEMM from 9 rows: behind on steps of 9-16 rows, ahead on the larger ones that
+make batched throughput.
 
 Without VNNI the GEMM is not only slower but wrong: oneDNN then multiplies bytes with
 ``vpmaddubsw``, whose pairs of products saturate at int16 (127 x 127 x 2 does not fit), so
@@ -34,9 +37,9 @@ import functools
 from nanoengine.cpu_library import cpu_features
 
 GEMM_MIN_ROWS = {  # CPU kind -> weight format -> rows
-    "amx": {"int8": 3, "int4": 5},
-    "avx512_vnni": {"int8": 9, "int4": None},  # int4: its kernel stayed 3-7% ahead at 128-512 rows
-    "avx_vnni": {"int8": 9, "int4": None},  # int4: at most 8% ahead from 256 rows
+    "amx": {"int8": 2, "int4": 5},
+    "avx512_vnni": {"int8": 9, "int4": 9},  # int4: behind at 9-16 rows (1.4-1.15x), 1.2-2.2x ahead from 32
+    "avx_vnni": {"int8": 9, "int4": None},  # int4: 1.6x behind at 9 rows, ahead only from 24-32
     "no_vnni": {"int8": None, "int4": None},  # the GEMM's products would saturate
 }
 

@@ -1,76 +1,127 @@
-// The int8 GEMM path (int8_gemm.py): x into two int8 digits per value before the GEMM, the int32
+// The int8 GEMM path (int8_gemm.py): x rotated and rounded to int8 before the GEMM, the int32
 // products back into x's dtype after it, and, on CPUs with AMX, the GEMM itself.
 //
-// quantize_activations: per row of x, v = round(x / scale) with scale = largest |x| / (127 * 128),
-// so |v| <= 16256, written as two int8 digits v = 128 * hi + lo (hi in -127..127, lo in -64..64):
-// row m's digits are rows 2m (hi) and 2m + 1 (lo) of q, q_stride bytes apart, so one GEMM
-// multiplies both.
-// rescale: out[m, n] = (128 * acc[2m, n] + acc[2m + 1, n]) * x_scale[m] * w_scale[n] + bias[n].
+// quantize_activations: per row of x, each block of `block` values (a power of two, 16 to 512; 1:
+// none) times the Hadamard matrix of that size (entries +-1), then v = round(x' / scale) with
+// scale = largest |x'| / 127. The weight was multiplied by the same matrix
+// (int8_gemm.quantize_weight), so the product is unchanged, and the rotation spreads a channel far
+// larger than the rest over its block.
+// rescale: out[m, n] = acc[m, n] * x_scale[m] * w_scale[n] + bias[n].
 // amx_gemm: the GEMM by AMX tiles and the rescale as each block of sums is done (below).
 //
-// Plain loops: with -O3 -march=native the compiler vectorises them for whatever the CPU has.
+// Plain loops and vectors of 16 floats (GCC's vector extension): with -O3 -march=native the
+// compiler turns them into whatever the CPU has.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "cpu_bfloat16.h"
 #include "cpu_graph.h"
 
-constexpr float DIGIT = 128;           // lo's weight is 1, hi's 128
-constexpr float LARGEST = 127 * DIGIT;  // |v| at most, so that hi fits int8
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// The Hadamard matrix's first four rounds of butterflies (pairs 1, 2, 4 and 8 apart) within 16
+// values: lane j meets lane j ^ h, the lower of the two keeps the sum, the upper the difference.
+static inline f32x16 hadamard16(f32x16 v) {
+  const i32x16 partner1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  const i32x16 partner2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const i32x16 partner4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const i32x16 partner8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const f32x16 sign1 = {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
+  const f32x16 sign2 = {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
+  const f32x16 sign4 = {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
+  const f32x16 sign8 = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
+  v = __builtin_shuffle(v, partner1) + v * sign1;
+  v = __builtin_shuffle(v, partner2) + v * sign2;
+  v = __builtin_shuffle(v, partner4) + v * sign4;
+  return __builtin_shuffle(v, partner8) + v * sign8;
+}
+
+static inline f32x16 load16(const float* x) {
+  f32x16 v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+static inline void store16(f32x16 v, float* x) { std::memcpy(x, &v, sizeof v); }
+
+// Each block of `block` values of x (K of them, block from 16 up) times the Hadamard matrix, in
+// place: log2(block) rounds of butterflies, pairs h apart for h = 1, 2, 4, ..; the first four
+// within each vector, the rest between whole vectors, two rounds at a time where two are left
+// (rounds h and 2h over four vectors a, b, c, d, each pass over x in L1 costing its loads and
+// stores).
+static void hadamard(float* x, int K, int block) {
+  for (int k = 0; k < K; k += 16) store16(hadamard16(load16(x + k)), x + k);
+  int h = 16;
+  for (; 4 * h <= block; h *= 4)
+    for (int start = 0; start < K; start += 4 * h)
+      for (int k = start; k < start + h; k += 16) {
+        const f32x16 a = load16(x + k), b = load16(x + k + h), c = load16(x + k + 2 * h), d = load16(x + k + 3 * h);
+        store16((a + b) + (c + d), x + k);
+        store16((a - b) + (c - d), x + k + h);
+        store16((a + b) - (c + d), x + k + 2 * h);
+        store16((a - b) - (c - d), x + k + 3 * h);
+      }
+  if (h < block)
+    for (int start = 0; start < K; start += 2 * h)
+      for (int k = start; k < start + h; k += 16) {
+        const f32x16 a = load16(x + k), b = load16(x + k + h);
+        store16(a + b, x + k);
+        store16(a - b, x + k + h);
+      }
+}
 
 template <typename T>
-static void quantize_activations(const T* x, int64_t x_stride, int M, int K, int8_t* q, int64_t q_stride,
-                                 float* scales, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (M >= 16)
-  for (int m = 0; m < M; m++) {
-    const T* row = x + m * x_stride;
-    float largest = 0.0f;
-    for (int k = 0; k < K; k++) largest = std::max(largest, std::fabs(to_float(row[k])));
-    const float inverse = largest > 0 ? LARGEST / largest : 0.0f;
-    int8_t* hi = q + 2 * m * q_stride;
-    int8_t* lo = hi + q_stride;
-    for (int k = 0; k < K; k++) {
-      const float v = std::nearbyint(to_float(row[k]) * inverse);
-      const float h = std::nearbyint(v * (1 / DIGIT));
-      hi[k] = int8_t(h);
-      lo[k] = int8_t(v - DIGIT * h);
+static void quantize_activations(const T* x, int64_t x_stride, int M, int K, int block, int8_t* q,
+                                 int64_t q_stride, float* scales, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (M >= 16)
+  {
+    std::vector<float> rotated(K);
+#pragma omp for
+    for (int m = 0; m < M; m++) {
+      const T* row = x + m * x_stride;
+      float* r = rotated.data();
+      for (int k = 0; k < K; k++) r[k] = to_float(row[k]);
+      if (block >= 16) hadamard(r, K, block);
+      float largest = 0.0f;
+      for (int k = 0; k < K; k++) largest = std::max(largest, std::fabs(r[k]));
+      const float inverse = largest > 0 ? 127 / largest : 0.0f;
+      int8_t* out = q + m * q_stride;
+      for (int k = 0; k < K; k++) out[k] = int8_t(std::nearbyint(r[k] * inverse));
+      scales[m] = largest / 127;
     }
-    scales[m] = largest / LARGEST;
   }
 }
 
-// One row of out from its two rows of int32 sums. Both GEMMs end here, with the multiply-adds
-// spelled out, so that they give the same bits for the same sums.
+// One row of out from its row of int32 sums. Both GEMMs end here, with the multiply-adds spelled
+// out, so that they give the same bits for the same sums.
 template <typename T>
-static inline void rescale_row(const int32_t* hi, const int32_t* lo, float x_scale, const float* w_scales,
-                               const T* bias, T* y, int N) {
+static inline void rescale_row(const int32_t* acc, float x_scale, const float* w_scales, const T* bias, T* y,
+                               int N) {
 #pragma omp simd
-  for (int n = 0; n < N; n++) {
-    const float v = std::fma(float(hi[n]), DIGIT, float(lo[n]));
-    store(std::fma(v * x_scale, w_scales[n], bias ? to_float(bias[n]) : 0.0f), &y[n]);
-  }
+  for (int n = 0; n < N; n++)
+    store(std::fma(float(acc[n]) * x_scale, w_scales[n], bias ? to_float(bias[n]) : 0.0f), &y[n]);
 }
 
 template <typename T>
 static void rescale(const int32_t* acc, const float* x_scales, const float* w_scales, const T* bias, T* out,
                     int M, int N, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (int64_t(M) * N >= (1 << 14))
-  for (int m = 0; m < M; m++) {
-    const int32_t* hi = acc + int64_t(2 * m) * N;
-    rescale_row(hi, hi + N, x_scales[m], w_scales, bias, out + int64_t(m) * N, N);
-  }
+  for (int m = 0; m < M; m++)
+    rescale_row(acc + int64_t(m) * N, x_scales[m], w_scales, bias, out + int64_t(m) * N, N);
 }
 
-// The GEMM on AMX (cpu_amx.h): tdpbssd multiplies a tile of x's digits (16 rows, 64 values of k)
+// The GEMM on AMX (cpu_amx.h): tdpbssd multiplies a tile of x (16 rows, 64 values of k, int8)
 // by a tile of the weight (64 values of k for 16 columns, 16 rows of 4 k's per column) into
 // 16 x 16 int32 sums. oneDNN's int8 GEMM as torch calls it (torch._int_mm) does not use AMX, nor
 // fold in the rescale; this does, two to four times faster (docs/quantization.md). A thread takes
-// a strip of 32 columns and sweeps a chunk of blocks of 32 digit rows along it (AMX_CHUNK at a
+// a strip of 32 columns and sweeps a chunk of blocks of 32 rows of x along it (AMX_CHUNK at a
 // time, as cpu_linear.cpp does), so the strip's weight is read from memory once a chunk and then
 // from cache; each block's sums are rescaled as soon as it is done.
 //
-// Layouts: q int8 [ceil(2M / 32) * 32, Kp] (Kp = K rounded up to 64; the padding may hold
+// Layouts: q int8 [ceil(M / 32) * 32, Kp] (Kp = K rounded up to 64; the padding may hold
 // anything, as the weight is zero there); w from int8_gemm.pack_weight, [ceil(N / 32) * 2, Kp / 64,
 // 16, 64]: tile (s, b) holds columns 16s.. of k block b, row r, bytes 4j..4j + 3 being
 // weight[16s + j, 64b + 4r ..] (zero past N and K).
@@ -84,7 +135,7 @@ extern "C" int amx_ready() { return amx_granted() ? 0 : -1; }
 template <typename T>
 static int amx_gemm(const int8_t* q, const float* x_scales, int M, int Kp, const int8_t* w, const float* w_scales,
                     const T* bias, T* out, int N, int num_threads) {
-  const int strips = (N + 31) / 32, k_blocks = Kp / TILE_BYTES, row_blocks = (2 * M + 31) / 32;
+  const int strips = (N + 31) / 32, k_blocks = Kp / TILE_BYTES, row_blocks = (M + 31) / 32;
   const bool stream = streams_out(out, M, N, sizeof(T));
 #pragma omp parallel num_threads(num_threads)
   {
@@ -108,7 +159,7 @@ static int amx_gemm(const int8_t* q, const float* x_scales, int M, int Kp, const
           _tile_zero(3);
           // the first block of rows prefetches the next strip, as cpu_linear.cpp's does
           const int8_t* next = r == chunk && s + 1 < strips ? w1 + int64_t(k_blocks) * TILE_SIZE : nullptr;
-          const bool lower_half = 2 * M > 32 * r + 16;  // a last block of at most 8 rows of x skips it
+          const bool lower_half = M > 32 * r + 16;  // a last block of at most 16 rows skips it
           for (int kb = 0; kb < k_blocks; kb++) {
             if (next) prefetch_tiles(reinterpret_cast<const char*>(next + kb * 2 * TILE_SIZE));
             _tile_loadd(6, w0 + kb * TILE_SIZE, TILE_BYTES);
@@ -123,9 +174,9 @@ static int amx_gemm(const int8_t* q, const float* x_scales, int M, int Kp, const
             }
           }
           store_sums(sums);
-          for (int i = 0, m = 16 * r; i < 16 && m < M; i++, m++) {
+          for (int i = 0, m = 32 * r; i < 32 && m < M; i++, m++) {
             alignas(64) T y[32];
-            rescale_row(sums[2 * i], sums[2 * i + 1], x_scales[m], w_scale, bias ? b : nullptr, y, 32);
+            rescale_row(sums[i], x_scales[m], w_scale, bias ? b : nullptr, y, 32);
             T* o = out + int64_t(m) * N + n0;
             if (columns < 32) {
               std::copy(y, y + columns, o);
@@ -151,13 +202,13 @@ static int amx_gemm(const int8_t*, const float*, int, int, const int8_t*, const 
 #endif
 
 extern "C" {
-void quantize_activations_float32(const float* x, int64_t x_stride, int M, int K, int8_t* q, int64_t q_stride,
-                                  float* scales, int num_threads) {
-  quantize_activations(x, x_stride, M, K, q, q_stride, scales, num_threads);
+void quantize_activations_float32(const float* x, int64_t x_stride, int M, int K, int block, int8_t* q,
+                                  int64_t q_stride, float* scales, int num_threads) {
+  quantize_activations(x, x_stride, M, K, block, q, q_stride, scales, num_threads);
 }
-void quantize_activations_bfloat16(const uint16_t* x, int64_t x_stride, int M, int K, int8_t* q, int64_t q_stride,
-                                   float* scales, int num_threads) {
-  quantize_activations(x, x_stride, M, K, q, q_stride, scales, num_threads);
+void quantize_activations_bfloat16(const uint16_t* x, int64_t x_stride, int M, int K, int block, int8_t* q,
+                                   int64_t q_stride, float* scales, int num_threads) {
+  quantize_activations(x, x_stride, M, K, block, q, q_stride, scales, num_threads);
 }
 void rescale_float32(const int32_t* acc, const float* x_scales, const float* w_scales, const float* bias,
                      float* out, int M, int N, int num_threads) {

@@ -55,7 +55,7 @@ SIGNATURES = {  # each file's extern "C" functions and their argument types
                        for dtype in ("bfloat16", "float32")},
     "cpu_linear.cpp": {"linear_bfloat16": [_P, _I64, _P, _P, _P, _I, _I, _I, _I]},
     "cpu_int8_gemm.cpp": {"amx_ready": []} | {f"{name}_{dtype}": args for name, args in (
-        ("quantize_activations", [_P, _I64, _I, _I, _P, _I64, _P, _I]),
+        ("quantize_activations", [_P, _I64, _I, _I, _I, _P, _I64, _P, _I]),
         ("rescale", [_P, _P, _P, _P, _P, _I, _I, _I]),
         ("amx_gemm", [_P, _P, _I, _I, _P, _P, _P, _P, _I, _I])) for dtype in ("bfloat16", "float32")},
     "cpu_quantized_linear.cpp": {f"quantized_linear_{dtype}": [_P, _I64, _P, _P, _P, _P, _I, _I, _I, _I]

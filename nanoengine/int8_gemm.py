@@ -1,30 +1,32 @@
-"""int8 compute for batched steps: the int8 weight multiplied by an int8 GEMM, x rounded per row to
-two int8 digits, the int32 products scaled back to x's dtype. The GEMM is cpu_int8_gemm.cpp's on
-AMX tiles where the CPU has them, and otherwise oneDNN's (``torch._int_mm``, on AVX-512 VNNI or
-AVX-VNNI; without VNNI its sums saturate, so cpu_dispatch.py never picks it there). oneDNN's, as
-torch calls it, does not use AMX, and AMX's tiles do 16,384 multiply-adds an instruction: there the
-kernel of our own is two to four times faster (docs/quantization.md).
+"""int8 compute for batched steps: x rotated and rounded per row to int8, multiplied by an int8
+weight rotated the same way, the int32 products scaled back to x's dtype. The GEMM is
+cpu_int8_gemm.cpp's on AMX tiles where the CPU has them, and otherwise oneDNN's
+(``torch._int_mm``, on AVX-512 VNNI or AVX-VNNI; without VNNI its sums saturate, so cpu_dispatch.py
+never picks it there). oneDNN's, as torch calls it, does not use AMX, and AMX's tiles do 16,384
+multiply-adds an instruction: there the kernel of our own is faster (docs/quantization.md).
 
 The C++ kernel (cpu_quantized_linear.cpp) is made for one row of x: it streams the weight once and
 is bound by memory. A batched step is bound by arithmetic instead, and there a GEMM, blocked for
 the caches and the CPU's widest instructions, does several times more per second
 (docs/quantization.md); cpu_dispatch.py says from how many rows it takes over.
 
-A GEMM takes one scale per row of x (it must be constant along the sum), but one int8 step per row
-is coarse: a row's step is set by its largest value, and LLM activations have a few channels far
-larger than the rest. Rounded that way, every layer's input raised the default model's perplexity
-by 4.3-4.8% (the C++ kernel, with a scale per 32 values, by 0.4-0.6%; LLM.int8()'s remedy, the
-largest columns of the batch apart in float32, still left 1.0-1.3%, and made a row's result depend
-on its batch). So each row is rounded to 15 bits instead and written as two int8 digits:
+A GEMM takes one scale per row of x (it must be constant along the sum), and one int8 step per
+row is coarse: a row's step is set by its largest value, and LLM activations have a few channels
+far larger than the rest. Rounded that way, every layer's input raised the default model's
+perplexity by 3.9-5.7%. So x is rotated first (QuaRot's remedy): each block of B values (B the
+largest power of two dividing the row, at most 512) times H, the B x B Hadamard matrix (entries
++-1, H @ H.T = B * I). A rotation spreads a large channel over its whole block and leaves the
+product as it was, if the weight rotates with it:
 
-    v = round(x / x_scale[m]),  |v| <= 127 * 128,   v = 128 * hi + lo   (hi, lo int8)
-    out[m, n] = (128 * (hi @ q.T)[m, n] + (lo @ q.T)[m, n]) * x_scale[m] * w_scale[n]
+    x @ W.T = (x @ H) @ (W @ H / B).T           (H block-diagonal along the row)
+    v = round((x @ H) / x_scale[m]),  |v| <= 127
+    out[m, n] = (v @ q.T)[m, n] * x_scale[m] * w_scale[n]   (q, w_scale: W @ H / B in int8, per row)
 
-Both digits go through one GEMM (as rows 2m and 2m + 1), twice the arithmetic of one int8 digit,
-and x is then about as exact as bf16 itself: perplexity +0.3% in int8, within noise of the weights'
-own rounding. Each product is an exact integer, so a row's result does not depend on the rows
-beside it or on how the GEMM blocks its sums (both GEMMs give the same bits): among the steps this
-path computes, a sequence is computed the same way whatever its batch (below cpu_dispatch.py's
+The weight's rotation is done once (``quantize_weight``); x's is log2(B) rounds of additions in the
+pass that rounds it. Perplexity: +0.3% in int8 on the test's text (docs/quantization.md). Each
+product is an exact integer and a row's scale is its own, so a row's result does not depend on the
+rows beside it or on how the GEMM blocks its sums (both GEMMs give the same bits): among the steps
+this path computes, a sequence is computed the same way whatever its batch (below cpu_dispatch.py's
 rows the kernel computes it, in 8 bits per 32 values). The passes around the GEMM are
 cpu_int8_gemm.cpp too.
 """
@@ -33,13 +35,17 @@ import functools
 
 import torch
 
+from nanoengine import quantization
 from nanoengine.cpu_kernels import DTYPES
 from nanoengine.cpu_library import load
 
 # Rows whose int32 products are rescaled while they are still in cache: one GEMM per chunk.
 CHUNK_ROWS = 128
-# AMX's tiles: a GEMM block is 32 rows of digits by 32 columns, its sums over 64 values of k at a time.
+# AMX's tiles: a GEMM block is 32 rows of x by 32 columns, its sums over 64 values of k at a time.
 AMX_BLOCK, AMX_K = 32, 64
+# The largest block of x that one Hadamard matrix rotates. Blocks of 64 on the default model's rows of
+# 1,536 too read 0.3% more perplexity; each doubling costs one more round of additions.
+MAX_HADAMARD_BLOCK = 512
 
 
 def available() -> bool:
@@ -60,15 +66,43 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+def hadamard_block(in_features: int) -> int:
+    """B for a row of ``in_features``: the largest power of two that divides it, at most 512; and 1
+    (no rotation) below 16, where the pass's vectors of 16 would not fit (never for a quantized layer,
+    whose rows are whole groups of 32)."""
+    block = min(in_features & -in_features, MAX_HADAMARD_BLOCK)
+    return block if block >= 16 else 1
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """Each block of ``hadamard_block`` values along x's last dimension times the Hadamard matrix
+    (Sylvester's: H_2B = [[H_B, H_B], [H_B, -H_B]]), in float64: what the pass before the GEMM
+    does to x in float32."""
+    block, h = hadamard_block(x.shape[-1]), torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return (x.double().unflatten(-1, (-1, block)) @ h).flatten(-2)
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float ``[out, in]`` weight as the GEMM multiplies it: ``weight @ H / B`` rounded to int8
+    per row, ``(q, scales)`` (quantization.quantize_int8). ``pack_weight`` lays q out."""
+    block = hadamard_block(weight.shape[1])
+    # a few thousand rows at a time: the LM head's float64 copies would otherwise add a gigabyte to
+    # the process's peak memory
+    parts = [quantization.quantize_int8(rotate(rows) / block) for rows in weight.split(4096)]
+    return torch.cat([q for q, _ in parts]), torch.cat([scales for _, scales in parts])
+
+
+def pack_weight(q: torch.Tensor) -> torch.Tensor:
     """An int8 ``[out, in]`` weight in the layout this CPU's GEMM reads: AMX's tiles (the layout in
-    cpu_int8_gemm.cpp, zero-padded to whole tiles), or ``weight`` itself for ``torch._int_mm``."""
+    cpu_int8_gemm.cpp, zero-padded to whole tiles), or ``q`` itself for ``torch._int_mm``."""
     if not uses_amx():
-        return weight.contiguous()
-    out_features, in_features = weight.shape
+        return q.contiguous()
+    out_features, in_features = q.shape
     rows, k = _round_up(out_features, AMX_BLOCK), _round_up(in_features, AMX_K)
-    padded = weight.new_zeros(rows, k)
-    padded[:out_features, :in_features] = weight
+    padded = q.new_zeros(rows, k)
+    padded[:out_features, :in_features] = q
     # [16 columns, 16 of them; k in blocks of 64, of 16 quads] -> tile (16 columns, k block): row r
     # holds k quad r, column by column
     tiles = padded.view(rows // 16, 16, k // AMX_K, AMX_K // 4, 4).permute(0, 2, 3, 1, 4)
@@ -76,9 +110,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ (weight * scales[:, None]).T + bias`` through the int8 GEMM: ``weight`` int8 from
-    ``pack_weight`` (``[out, in]``, or AMX's tiles), ``scales`` float32 ``[out]``, ``x`` float32 or
-    bfloat16 ``[..., in]``."""
+    """``x @ W.T + bias`` through the int8 GEMM: ``weight`` and ``scales`` are W as
+    ``quantize_weight`` gives it (int8, laid out by ``pack_weight``; float32 ``[out]``), ``x``
+    float32 or bfloat16 ``[..., in]``."""
     out_features, in_features = scales.shape[0], x.shape[-1]
     tiles = (_round_up(out_features, AMX_BLOCK) // 16, _round_up(in_features, AMX_K) // AMX_K, 16, AMX_K)
     if x.dtype not in DTYPES:
@@ -96,27 +130,26 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bia
     rows = x.reshape(-1, in_features)
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     num_rows, amx = rows.shape[0], weight.dim() == 4
-    # row m's digits: rows 2m (hi) and 2m + 1 (lo); AMX reads whole tiles, so its rows and k are
-    # padded (the padding's values do not matter: the weight is zero past in_features, and the
-    # padded rows' sums are never read)
-    digits = torch.empty(_round_up(2 * num_rows, AMX_BLOCK), tiles[1] * AMX_K, dtype=torch.int8) if amx \
-        else torch.empty(2 * num_rows, in_features, dtype=torch.int8)
+    # AMX reads whole tiles, so its rows and k are padded (the padding's values do not matter: the
+    # weight is zero past in_features, and the padded rows' sums are never read)
+    q = torch.empty(_round_up(num_rows, AMX_BLOCK), tiles[1] * AMX_K, dtype=torch.int8) if amx \
+        else torch.empty(num_rows, in_features, dtype=torch.int8)
     x_scales = torch.empty(num_rows, dtype=torch.float32)
     getattr(library, f"quantize_activations_{dtype}")(rows.data_ptr(), rows.stride(0), num_rows, in_features,
-                                                       digits.data_ptr(), digits.stride(0), x_scales.data_ptr(),
-                                                       threads)
+                                                       hadamard_block(in_features), q.data_ptr(), q.stride(0),
+                                                       x_scales.data_ptr(), threads)
     bias = bias.contiguous() if bias is not None else None
     out = x.new_empty(num_rows, out_features)
     bias_ptr = bias.data_ptr() if bias is not None else None
     if amx:
-        getattr(library, f"amx_gemm_{dtype}")(digits.data_ptr(), x_scales.data_ptr(), num_rows, digits.shape[1],
+        getattr(library, f"amx_gemm_{dtype}")(q.data_ptr(), x_scales.data_ptr(), num_rows, q.shape[1],
                                               weight.data_ptr(), scales.data_ptr(), bias_ptr, out.data_ptr(),
                                               out_features, threads)
         return out.view(*x.shape[:-1], out_features)
-    products = torch.empty(2 * min(num_rows, CHUNK_ROWS), out_features, dtype=torch.int32)
+    products = torch.empty(min(num_rows, CHUNK_ROWS), out_features, dtype=torch.int32)
     for start in range(0, num_rows, CHUNK_ROWS):
         chunk = min(CHUNK_ROWS, num_rows - start)
-        torch._int_mm(digits[2 * start:2 * (start + chunk)], weight.t(), out=products[:2 * chunk])
+        torch._int_mm(q[start:start + chunk], weight.t(), out=products[:chunk])
         getattr(library, f"rescale_{dtype}")(products.data_ptr(), x_scales[start:].data_ptr(), scales.data_ptr(),
                                              bias_ptr, out[start:].data_ptr(), chunk, out_features, threads)
     return out.view(*x.shape[:-1], out_features)

@@ -66,7 +66,7 @@ class Linear(nn.Linear):
         qweight, scales = quantization.quantize_weight(self.weight.detach(), fmt)
         self.gemm_min_rows = cpu_dispatch.gemm_min_rows(fmt) if int8_gemm.available() else None
         if self.gemm_min_rows is not None:
-            gemm_weight, gemm_scales = quantization.gemm_weight(qweight, scales)
+            gemm_weight, gemm_scales = int8_gemm.quantize_weight(quantization.dequantize_packed(qweight, scales))
             self.register_buffer("gemm_weight", int8_gemm.pack_weight(gemm_weight))
             self.register_buffer("gemm_scales", gemm_scales)
         self.register_parameter("weight", None)

@@ -123,15 +123,6 @@ def quantize_weight(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tens
     return pack_int4(*quantize_int4(w)), None
 
 
-def gemm_weight(qweight: torch.Tensor, scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 ``[out, in]`` weight and per-row scales that int8_gemm.py reads, from the kernel's:
-    int8's own q, unpacked; int4's values rounded again to int8 per row, which moves each by at
-    most half an int8 step (perplexity: docs/quantization.md)."""
-    if scales is None:
-        return quantize_int8(dequantize_packed(qweight, None))
-    return unpack_int8(qweight), scales
-
-
 def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     """The float32 ``[out, in]`` weight that ``quantize_weight``'s output stands for."""
     if scales is None:

@@ -193,7 +193,7 @@ def test_a_quantized_layer_switches_to_the_gemm_from_the_rules_rows(fmt, monkeyp
     layer(torch.randn(2, 2, 64))
     assert calls == [(2, 2, 64)]
     # the GEMM's copy is the kernel's values (int4's or int8's) rotated by H / B and rounded again
-    # to int8: rotated back, within half an int8 step of them in each block (B of them summed)
+    # to int8: rotated back, each value within B = 64 half-steps of the kernel's (a sum of B roundings)
     values = quantization.dequantize_packed(layer.qweight, layer.scales)
     gemm_q, gemm_scales = int8_gemm.quantize_weight(values)
     assert torch.equal(layer.gemm_weight, int8_gemm.pack_weight(gemm_q)) and torch.equal(layer.gemm_scales, gemm_scales)

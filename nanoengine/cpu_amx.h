@@ -6,9 +6,9 @@
 // by 64 bytes of k) by a tile of the weight (the same k for 16 columns, laid out as 16 rows of k
 // pairs or quads, column by column) into 16 x 16 float32 or int32 sums: 16 x 16 x 32 bf16 or
 // 16 x 16 x 64 int8 multiply-adds, 256 times what one 512-bit vector instruction does. Both
-// matmul kernels block the same way: 32 rows by 32 columns, two tiles of x, two of the weight, four of
-// sums, all eight tile registers, and each sum is made over k in the same order whatever the
-// number of rows.
+// matmul kernels block the same way: 32 rows by 32 columns, two tiles of x, two of the weight,
+// four of sums, all eight tile registers, and each sum is made over k in the same order whatever
+// the number of rows.
 #pragma once
 #if defined(__AMX_TILE__)
 #include <immintrin.h>

@@ -43,8 +43,8 @@ from nanoengine.cpu_library import load
 CHUNK_ROWS = 128
 # AMX's tiles: a GEMM block is 32 rows of x by 32 columns, its sums over 64 values of k at a time.
 AMX_BLOCK, AMX_K = 32, 64
-# The largest block of x that one Hadamard matrix rotates. Blocks of 64 on the default model's rows of
-# 1,536 too read 0.3% more perplexity; each doubling costs one more round of additions.
+# The largest block of x that one Hadamard matrix rotates. Blocks of 64 on the default model's rows
+# of 1,536 too read 0.3% more perplexity; each doubling costs one more round of additions.
 MAX_HADAMARD_BLOCK = 512
 
 
@@ -68,8 +68,8 @@ def _round_up(n: int, multiple: int) -> int:
 
 def hadamard_block(in_features: int) -> int:
     """B for a row of ``in_features``: the largest power of two that divides it, at most 512; and 1
-    (no rotation) below 16, where the pass's vectors of 16 would not fit (never for a quantized layer,
-    whose rows are whole groups of 32)."""
+    (no rotation) below 16, where the pass's vectors of 16 would not fit (never for a quantized
+    layer, whose rows are whole groups of 32)."""
     block = min(in_features & -in_features, MAX_HADAMARD_BLOCK)
     return block if block >= 16 else 1
 

@@ -57,6 +57,7 @@ class ModelRunner:
         backend = get_backend(config.attention_kernels, self.device, config.learner_mode)
         for layer in self.attention_layers:
             layer.backend = backend
+        self.graph_runner = None  # until the cache exists: the warm-up that sizes it runs eagerly
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._kvcache_blocks_for_budget(config)
         if tp is not None:  # one block table serves every rank's cache: the smallest cache sets the count
             blocks = torch.tensor([self.num_kvcache_blocks], device=self.device)
@@ -65,7 +66,6 @@ class ModelRunner:
         # Decode replays graphs captured over the cache just allocated; prefill stays eager. On CPU only
         # over the C++ kernels, whose calls a CPU graph records, and not with tensor parallelism: a
         # replay would repeat gloo's collectives without their waits.
-        self.graph_runner = None
         cpu_graphs = tp is None and config.attention_kernels == "cpu"
         if not (config.enforce_eager or config.learner_mode) and (self.device.type == "cuda" or cpu_graphs):
             spec = config.speculative_config

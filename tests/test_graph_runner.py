@@ -215,7 +215,8 @@ def test_cuda_graph_replay_matches_eager(tiny_models, cuda_backend):
     engine, seqs = decoding_engine(tiny_models["llama"], max(BATCH_SIZES), dtype="bfloat16", device="cuda",
                                    num_kvcache_blocks=64, attention_backend=cuda_backend)
     graph_runner = engine.model_runner.graph_runner
-    assert sorted(graph_runner.graphs) == graph_runner.buckets == [1, 2, 4, 8, 16, 24]
+    assert graph_runner.buckets == [1, 2, 4, 8, 16, 24]  # captured at start-up, one token a sequence
+    assert sorted(graph_runner.graphs) == [(b, 1) for b in graph_runner.buckets]
     check_runner_matches_eager(engine, seqs, graph_runner, BF16_TOL)
 
 
@@ -228,12 +229,13 @@ def test_cuda_greedy_generation_agrees_with_hf_in_bf16(tiny_models, arch, cuda_b
     flash-attn block, or 16 of Triton's) back from the prefix cache through the paged varlen path.
     """
     from transformers import AutoModelForCausalLM
-    gen = torch.Generator().manual_seed(1)
-    shared = torch.randint(0, 1000, (300,), generator=gen).tolist()
-    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (5, 40, 270)]
-    prompts += [shared + [1, 2, 3], shared + [4, 5]]
     llm = LLM(tiny_models[arch], dtype="bfloat16", device="cuda", attention_backend=cuda_backend,
               num_kvcache_blocks=32 if cuda_backend == "flash-attn" else 512)
+    # Ids within the tiny vocabulary: SmolLM2's, or on a machine without it conftest's small one.
+    gen, vocab = torch.Generator().manual_seed(1), min(1000, llm.vocab_size)
+    shared = torch.randint(0, vocab, (300,), generator=gen).tolist()
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 40, 270)]
+    prompts += [shared + [1, 2, 3], shared + [4, 5]]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert llm.stats()["prefix_cache_hit_tokens"] >= 256
     hf = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.bfloat16).cuda().eval()

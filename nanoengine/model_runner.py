@@ -14,6 +14,7 @@ which run ``execute_model`` on them (worker.py).
 
 import dataclasses
 
+import numpy as np
 import torch
 from transformers import PretrainedConfig
 
@@ -132,12 +133,19 @@ class ModelRunner:
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(seq.block_table) for seq in seqs)
-        # Padding entries point at block 0: never read past a sequence's length, always in range.
-        return self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
+        """``[len(seqs), longest table]`` int32. Padding entries point at block 0: never read past a
+        sequence's length, always in range. Filled a row at a time in numpy: torch.tensor parses a
+        nested list of ints a few times slower (1 ms a decode step at batch 166, where the whole
+        step's host work is about 4 ms)."""
+        tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), dtype=np.int32)
+        for row, seq in zip(tables, seqs):
+            row[:len(seq.block_table)] = seq.block_table
+        return self._tensor(tables, torch.int32)
 
-    def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+    def _tensor(self, data: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """Host data on the device; on CUDA through pinned memory, so the copy does not wait."""
+        host = torch.as_tensor(data, dtype=dtype)
+        return (host.pin_memory() if self.device.type == "cuda" else host).to(self.device, non_blocking=True)
 
     def prepare_prefill(self, seqs: list[Sequence]):
         """Inputs of a step in which some sequence computes more than its newest token: prompts,

@@ -60,6 +60,7 @@ SIGNATURES = {  # each file's extern "C" functions and their argument types
         ("amx_gemm", [_P, _P, _I, _I, _P, _P, _P, _P, _I, _I])) for dtype in ("bfloat16", "float32")},
     "cpu_quantized_linear.cpp": {f"quantized_linear_{dtype}": [_P, _I64, _P, _P, _P, _P, _I, _I, _I, _I]
                                  for dtype in ("bfloat16", "float32")},
+    "cpu_sampler.cpp": {f"sample_{dtype}": [_P, _I64, _I, _I, _P, _P, _P, _I] for dtype in ("bfloat16", "float32")},
 }
 
 

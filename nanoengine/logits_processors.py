@@ -107,10 +107,11 @@ def _packed(values: list, typecode: str, device: torch.device) -> torch.Tensor:
 
 
 def apply_logits_processors(logits: torch.Tensor, processors: LogitsProcessors | None) -> torch.Tensor:
-    """The batch's logits in float32 with every row's processing applied: a new tensor whenever
-    anything changes, so the caller's raw logits stay as they were (logprobs are read from them)."""
+    """The batch's logits with every row's processing applied: a new float32 tensor whenever anything
+    changes, so the caller's raw logits stay as they were (logprobs are read from them); the raw
+    logits themselves when nothing does (the sampler's first step, the temperature, makes float32)."""
     if processors is None:
-        return logits.float()
+        return logits
     logits = logits.to(torch.float32, copy=True)
     if processors.bias is not None:
         rows, token_ids, values = processors.bias

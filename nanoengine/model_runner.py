@@ -52,7 +52,7 @@ class ModelRunner:
             quantize_linears(self.model, config.quantization)
         if self.device.type == "cpu" and not config.learner_mode:
             use_cpu_kernels(self.model, self.dtype)
-        self.sampler = Sampler()
+        self.sampler = Sampler(cpu_kernel=self.device.type == "cpu" and not config.learner_mode)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = get_backend(config.attention_kernels, self.device, config.learner_mode)

@@ -6,7 +6,8 @@ cut to their min-p, their top-k, then their nucleus (the smallest set of most li
 whose probability reaches top_p; the most likely token always stays), and sampled by inverting
 the cumulative distribution with one uniform number per row. (Drawing a noise value per
 vocabulary entry, as the exponential-race trick does, costs more than the whole decode matmul
-budget on a CPU.)
+budget on a CPU.) On CPU the temperature, softmax and inversion are one C++ pass a row
+(cpu_sampler.cpp) when no filter applies, and follow the filters' cut logits when one does.
 A seeded row draws its number from its own generator, keyed by the seed and the token's
 position, so it samples the same tokens whatever else is in the batch, and again after a
 preemption's recompute.
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanoengine.cpu_kernels import DTYPES
+from nanoengine.cpu_library import load
 from nanoengine.logits_processors import LogitsProcessors, apply_logits_processors
 
 SAMPLER_CHUNK = 256  # tokens per chunk of the two-level inverse CDF
@@ -119,6 +122,12 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
 
 
 class Sampler:
+    """``cpu_kernel``: sample CPU logits through cpu_sampler.cpp (softmax and inverse CDF in one
+    pass a row) where it builds; else, and in learner mode, through the torch ops below."""
+
+    def __init__(self, cpu_kernel: bool = False):
+        self.library = load("cpu_sampler.cpp") if cpu_kernel else None
+
     def __call__(self, logits: torch.Tensor, temperatures: list[float], top_ks: list[int],
                  top_ps: list[float], seeds: list[int | None], positions: list[int],
                  min_ps: list[float] | None = None, processors: LogitsProcessors | None = None) -> torch.Tensor:
@@ -126,23 +135,52 @@ class Sampler:
         if all(t == 0 for t in temperatures):
             return logits.argmax(dim=-1)
         greedy = logits.argmax(dim=-1) if any(t == 0 for t in temperatures) else None
-        probs = self.probs(logits, temperatures, top_ks, top_ps, min_ps)
-        sampled = self.inverse_cdf(probs, self.uniform(seeds, positions, probs.device))
+        uniform = self.uniform(seeds, positions, logits.device)
+        if self.library is None or logits.device.type != "cpu" or logits.dtype not in DTYPES:
+            sampled = self.inverse_cdf(self.probs(logits, temperatures, top_ks, top_ps, min_ps), uniform)
+        elif self._filters(top_ks, top_ps, min_ps):  # the filters cut the scaled logits: sample those as they are
+            sampled = self._sample_on_cpu(self.scaled_logits(logits, temperatures, top_ks, top_ps, min_ps),
+                                          [1.0] * len(temperatures), uniform)
+        else:
+            sampled = self._sample_on_cpu(logits, temperatures, uniform)
         if greedy is None:
             return sampled
         return torch.where(torch.tensor([t == 0 for t in temperatures], device=logits.device), greedy, sampled)
 
     def probs(self, logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
               min_ps: list[float] | None = None) -> torch.Tensor:
-        """The distribution each row samples from: its processed logits scaled by its temperature,
-        cut to its min-p, top-k and top-p. (A greedy row's is meaningless: it takes the argmax.)"""
+        """The distribution each row samples from. (A greedy row's is meaningless: it takes the argmax.)"""
+        return self.scaled_logits(logits, temperatures, top_ks, top_ps, min_ps).softmax(dim=-1)
+
+    def scaled_logits(self, logits: torch.Tensor, temperatures: list[float], top_ks: list[int],
+                      top_ps: list[float], min_ps: list[float] | None = None) -> torch.Tensor:
+        """Float32: each row's processed logits scaled by its temperature, then -inf outside its
+        min-p, top-k and top-p."""
         temps = torch.tensor(temperatures, device=logits.device)
         logits = logits / temps.clamp_min(1e-6)[:, None]
         if min_ps is not None and any(p > 0 for p in min_ps):
             logits = self._min_p(logits, min_ps)
         if any(k != -1 for k in top_ks) or any(p < 1 for p in top_ps):
             logits = self._top_k_top_p(logits, top_ks, top_ps)
-        return logits.softmax(dim=-1)
+        return logits
+
+    @staticmethod
+    def _filters(top_ks: list[int], top_ps: list[float], min_ps: list[float] | None) -> bool:
+        """Whether any row is cut to its top-k, top-p or min-p."""
+        return any(k != -1 for k in top_ks) or any(p < 1 for p in top_ps) or any(p > 0 for p in min_ps or [])
+
+    def _sample_on_cpu(self, logits: torch.Tensor, temperatures: list[float], uniform: torch.Tensor) -> torch.Tensor:
+        """cpu_sampler.cpp: the temperature, the softmax and ``inverse_cdf`` in one read of each row
+        (and of one chunk again), where torch makes five passes over the batch's logits. A call in
+        bench.py's decode steps (batch 41, 49,152 tokens), alternating in one process: 3.6-4.4 ->
+        0.8-1.2 ms."""
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+        temps = torch.tensor(temperatures, dtype=torch.float32).clamp_min(1e-6)
+        tokens = torch.empty(len(logits), dtype=torch.int64)
+        getattr(self.library, f"sample_{DTYPES[logits.dtype]}")(
+            logits.data_ptr(), logits.stride(0), len(logits), logits.shape[-1], temps.data_ptr(), uniform.data_ptr(),
+            tokens.data_ptr(), torch.get_num_threads())
+        return tokens
 
     @staticmethod
     def uniform(seeds: list[int | None], positions: list[int], device: torch.device, draw: int = 0) -> torch.Tensor:

@@ -62,6 +62,7 @@ def test_learner_mode_runs_no_cpu_kernel_and_keeps_plain_weights(tiny_models):
     llm = LLM(tiny_models["llama"], learner_mode=True, dtype="bfloat16", device="cpu", num_kvcache_blocks=16)
     modules = list(llm.model_runner.model.modules())
     assert all(getattr(m, "kernel", None) is None for m in modules)
+    assert llm.model_runner.sampler.library is None  # sampling through the torch ops too
     assert all(m.weight is not None for m in modules if isinstance(m, Linear))
     backend = llm.model_runner.attention_layers[0].backend
     assert backend.store_kvcache is store_kvcache_torch

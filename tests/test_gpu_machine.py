@@ -16,8 +16,9 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# bench.py through one of its tests (device "auto", HF's comparison too): each of them takes seconds
 REPRESENTATIVE = ["tests/test_api.py", "tests/test_store_kvcache.py", "tests/test_graph_runner.py",
-                  "tests/test_bench.py"]
+                  "tests/test_bench.py::test_bench_prints_nano_vllm_final_line_and_json"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a real GPU is there: the suite itself shows this")

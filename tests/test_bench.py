@@ -37,6 +37,8 @@ def test_bench_reports_a_single_requests_ttft_and_tpot(tiny_models, tmp_path):
     stdout, results = run_bench(tiny_models["llama"], tmp_path, "--num-seqs", "1", "--min-input-len", "20",
                                 "--max-input-len", "20", "--min-output-len", "9", "--max-output-len", "9")
     assert results["ttft_ms"] > 0 and results["tpot_ms"] > 0
+    # The warm-up's blocks are no request's prefix: a hit would skip part of the timed prefill.
+    assert results["prefix_cache_hit_rate"] == 0
     line = re.search(r"Single request: TTFT: ([\d.]+)ms, TPOT: ([\d.]+)ms \(([\d.]+)tok/s\)", stdout)
     assert line and float(line.group(2)) == round(results["tpot_ms"], 2)
 

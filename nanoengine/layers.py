@@ -1,6 +1,7 @@
 """Building blocks of the decoder that are neither attention nor projections (linear.py): the
 RMSNorm (with the residual add folded in), the gated MLP's activation, and the rotary embedding.
-Each computes in torch unless the model runner gives it a C++ ``kernel`` (on CPU).
+Each computes in torch unless the model runner gives it a ``kernel`` that does the same in one
+pass: C++ on CPU (cpu_kernels.py), Triton on a GPU (triton_layers.py). Learner mode keeps torch's.
 """
 
 import math
@@ -16,8 +17,8 @@ class RMSNorm(nn.Module):
 
     ``norm(x)`` returns RMSNorm(x). ``norm(x, residual)`` returns (RMSNorm(residual + x),
     residual + x): the decoder keeps a running residual sum, and adding into it is folded into
-    the norm that reads it next. On CPU the model runner sets ``kernel`` to a C++ function that
-    does both in one pass (cpu_kernels.add_rms_norm); torch runs them as eight small ops.
+    the norm that reads it next. ``kernel`` does both in one pass (cpu_kernels.add_rms_norm,
+    triton_layers.add_rms_norm); torch runs them as eight small ops.
     """
 
     kernel: Callable | None = None
@@ -40,8 +41,8 @@ class RMSNorm(nn.Module):
 
 
 class SiluAndMul(nn.Module):
-    """The gated MLP's activation: x is [gate | up], the result SiLU(gate) * up. On CPU the model
-    runner sets ``kernel`` to a C++ function that does it in one pass (cpu_kernels.silu_and_mul)."""
+    """The gated MLP's activation: x is [gate | up], the result SiLU(gate) * up; ``kernel`` does it in
+    one pass (cpu_kernels.silu_and_mul, triton_layers.silu_and_mul)."""
 
     kernel: Callable | None = None
 
@@ -57,8 +58,8 @@ class RotaryEmbedding(nn.Module):
 
     cos/sin for every position up to ``max_position`` are computed once; each call looks up its
     tokens' rows by position, which is what lets prefill and decode share one code path. One
-    instance serves every layer. On CPU the model runner sets ``kernel`` to a C++ function that
-    rotates q and k in place in one pass (cpu_kernels.rotary); torch needs eleven small ops.
+    instance serves every layer. ``kernel`` rotates q and k in one pass (cpu_kernels.rotary, in place;
+    triton_layers.rotary); torch needs eleven small ops.
     ``llama3_scaling`` holds the factors of ``llama3_inv_freq`` (Llama 3.1/3.2), or is None for plain RoPE.
     """
 

@@ -30,6 +30,7 @@ from nanoengine.rejection_sampler import RejectionSampler
 from nanoengine.sampler import LogitRows, Sampler, SamplerOutput, compute_logprobs
 from nanoengine.sampling_metadata import SamplingMetadata
 from nanoengine.sequence import Sequence
+from nanoengine.triton_layers import use_triton_kernels
 
 CPU_KVCACHE_BYTES = 1 << 30  # the RAM budget for the KV cache on CPU
 
@@ -49,8 +50,8 @@ class ModelRunner:
             load_weights(self.model, model_path)
         if config.quantization is not None:
             quantize_linears(self.model, config.quantization)
-        if self.device.type == "cpu" and not config.learner_mode:
-            use_cpu_kernels(self.model, self.dtype)
+        if not config.learner_mode:  # the small layers in one pass each: C++ on CPU, Triton on a GPU
+            use_cpu_kernels(self.model, self.dtype) if self.device.type == "cpu" else use_triton_kernels(self.model)
         self.sampler = Sampler(cpu_kernel=self.device.type == "cpu" and not config.learner_mode)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

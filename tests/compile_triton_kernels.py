@@ -19,10 +19,12 @@ from triton.runtime.jit import JITFunction
 
 from nanoengine.store_kvcache import _store_kvcache_kernel
 from nanoengine.triton_attention import _attention_kernel, _merge_kernel, tile_sizes
+from nanoengine.triton_layers import _add_rms_norm_kernel, _rotary_kernel, _silu_and_mul_kernel
 
 SHARED_MEMORY_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes a block may use: A100, H100
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
-POINTERS = {"q_ptr", "k_ptr", "v_ptr", "out_ptr", "key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr", "part_ptr"}
+POINTERS = {"q_ptr", "k_ptr", "v_ptr", "out_ptr", "key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr", "part_ptr",
+            "x_ptr", "residual_ptr", "weight_ptr"}
 
 
 def compile_kernel(kernel, target: GPUTarget, dtype: str, constexprs: dict, types: dict):
@@ -72,6 +74,15 @@ def main() -> None:
             compile_kernel(_store_kvcache_kernel, target, dtype, dict(HEAD_DIM=64, ROW=192, BLOCK=256),
                            {"slot_mapping_ptr": "*i64"})
             print(f"sm_{arch} {dtype} store_kvcache: ok")
+            for residual in (True, False):
+                compile_kernel(_add_rms_norm_kernel, target, dtype,
+                               dict(HAS_RESIDUAL=residual, BLOCK=1024, **({} if residual else {"residual_ptr": None})),
+                               {"eps": "fp32"})
+                print(f"sm_{arch} {dtype} add_rms_norm residual={residual}: ok")
+            compile_kernel(_silu_and_mul_kernel, target, dtype, dict(BLOCK=1024), {})
+            compile_kernel(_rotary_kernel, target, dtype, dict(HEAD_DIM=80, BLOCK_H=16, BLOCK_D=128),
+                           {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32"})
+            print(f"sm_{arch} {dtype} silu_and_mul, rotary: ok")
 
 
 if __name__ == "__main__":

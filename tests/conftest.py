@@ -53,6 +53,17 @@ def cuda_when_marked(request, monkeypatch, real_cuda_is_available):
         monkeypatch.setattr(torch.cuda, "is_available", real_cuda_is_available)
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def triton_device(request, monkeypatch) -> str:
+    """Where a Triton kernel runs: interpreted on the CPU, or compiled on a GPU. TRITON_INTERPRET is
+    set per test, and kernels are made at first use for the mode in force (``triton_attention.jit``),
+    so both run in one session on a GPU machine."""
+    pytest.importorskip("triton")
+    if request.param == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return request.param
+
+
 def installed(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None

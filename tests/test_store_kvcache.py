@@ -1,8 +1,7 @@
 """store_kvcache: every kernel writes exactly the bytes the reference writes, and nothing else.
 
 The Triton kernel runs twice: on CPU tensors under Triton's interpreter (everywhere), and compiled
-on a GPU (marked ``cuda``). TRITON_INTERPRET is set per test, and kernels are made at first use
-for the mode in force (``triton_attention.jit``), so both run in one session on a GPU machine.
+on a GPU (marked ``cuda``): conftest's ``triton_device``.
 """
 
 import pytest
@@ -12,15 +11,6 @@ from nanoengine import cpu_kernels, cpu_library
 from nanoengine.store_kvcache import store_kvcache_torch, store_kvcache_triton
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_TOKENS = 6, 8, 24  # small: the interpreter is slow
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def triton_device(request, monkeypatch) -> str:
-    """Where the Triton store runs: interpreted on the CPU, or compiled on a GPU."""
-    pytest.importorskip("triton")
-    if request.param == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return request.param
 
 
 @pytest.fixture(params=["torch", "cpu_kernel"])

@@ -50,8 +50,10 @@ class ModelRunner:
             load_weights(self.model, model_path)
         if config.quantization is not None:
             quantize_linears(self.model, config.quantization)
-        if not config.learner_mode:  # the small layers in one pass each: C++ on CPU, Triton on a GPU
-            use_cpu_kernels(self.model, self.dtype) if self.device.type == "cpu" else use_triton_kernels(self.model)
+        if self.device.type == "cpu" and not config.learner_mode:
+            use_cpu_kernels(self.model, self.dtype)
+        elif not config.learner_mode:  # on a GPU: the norms, SiLU and rotary in one Triton kernel each
+            use_triton_kernels(self.model)
         self.sampler = Sampler(cpu_kernel=self.device.type == "cpu" and not config.learner_mode)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

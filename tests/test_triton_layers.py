@@ -2,9 +2,9 @@
 
 The kernels run on CPU tensors under Triton's interpreter (everywhere) and compiled on a GPU
 (marked ``cuda``): conftest's ``triton_device``. The torch code is HF's arithmetic, each op rounded to the activation dtype, so
-on a GPU the kernels must agree with it to the last bit, or one rounding step where a float32 sum
-is taken in another order or ``exp`` is another implementation, and the residual sums they write
-must be identical. Triton's interpreter truncates a cast to bf16 where a GPU (and torch) rounds to
+on a GPU the kernels must agree with it to the last bit (rotary), or within a rounding step or two
+where a float32 sum is taken in another order or ``rsqrt`` and ``exp`` are other implementations,
+and the residual sums they write must be identical. Triton's interpreter truncates a cast to bf16 where a GPU (and torch) rounds to
 nearest, so there each bf16 rounding may land one step lower: in bf16 the CPU runs allow that,
 and float32 (no cast) is held as tightly as on the GPU. Sizes are small: the interpreter is slow.
 """
@@ -51,14 +51,16 @@ def test_add_rms_norm_matches_torch_with_and_without_a_residual(device, triton_l
     reference, fused = norm_pair(dtype, hidden, device, triton_layers.add_rms_norm)
     x = torch.randn(rows, hidden).to(device=device, dtype=dtype)
     residual = (3 * torch.randn(rows, hidden)).to(device=device, dtype=dtype)
-    rtol = steps(device, dtype, 1, 2) * ULP[dtype]  # two casts: the normalised row, the weight's product
+    # The normalised row may round one step apart (the sum's order and rsqrt are the GPU's), which the
+    # weight's product can carry to two; under the interpreter, two casts more.
+    rtol = steps(device, dtype, 2, 2) * ULP[dtype]
     torch.testing.assert_close(fused(x), reference(x), atol=0, rtol=rtol)
     expected_out, expected_sum = reference(x, residual.clone())
     kernel_residual = residual.clone()
     out, new_residual = fused(x, kernel_residual)
     torch.testing.assert_close(new_residual, expected_sum, atol=0, rtol=steps(device, dtype, 0, 1) * ULP[dtype])
     assert new_residual.data_ptr() == kernel_residual.data_ptr()  # written in place, as vLLM's op does
-    torch.testing.assert_close(out, expected_out, atol=0, rtol=steps(device, dtype, 1, 3) * ULP[dtype])
+    torch.testing.assert_close(out, expected_out, atol=0, rtol=steps(device, dtype, 2, 3) * ULP[dtype])
 
 
 def test_add_rms_norm_on_heads_of_a_strided_view(device, triton_layers):
@@ -68,7 +70,7 @@ def test_add_rms_norm_on_heads_of_a_strided_view(device, triton_layers):
     q = qkv[:, :4 * 32].view(5, 4, 32)
     out = fused(q)
     assert out.shape == q.shape and out.is_contiguous()
-    torch.testing.assert_close(out, reference(q), atol=0, rtol=steps(device, torch.bfloat16, 1, 2) * ULP[torch.bfloat16])
+    torch.testing.assert_close(out, reference(q), atol=0, rtol=steps(device, torch.bfloat16, 2, 2) * ULP[torch.bfloat16])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -107,9 +107,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
     """``RotaryEmbedding.forward``: q and k ``[tokens, heads, head_dim]`` (views into the qkv output),
-    turned into new tensors. Not in place, as the C++ kernel is: a thread here reads the partners of
-    its values, which other threads of the program write, and nothing orders the two (an H100 run
-    of an in-place version gave wrong values now and then). Positions come from the scheduler, which
+    turned into new tensors. Unlike the C++ kernel, not in place: a thread here reads the partners
+    of its values, which other threads of the program would write, and nothing orders the two (an
+    H100 run of an in-place version gave wrong values now and then). Positions come from the scheduler, which
     keeps them under ``max_model_len``, the table's length: they are not checked here, which would
     cost a read back to the host."""
     head_dim = q.shape[-1]

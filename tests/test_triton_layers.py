@@ -1,12 +1,13 @@
 """The decoder's small layers in Triton (triton_layers.py) against the torch code they replace.
 
 The kernels run on CPU tensors under Triton's interpreter (everywhere) and compiled on a GPU
-(marked ``cuda``): conftest's ``triton_device``. The torch code is HF's arithmetic, each op rounded to the activation dtype, so
-on a GPU the kernels must agree with it to the last bit (rotary), or within a rounding step or two
-where a float32 sum is taken in another order or ``rsqrt`` and ``exp`` are other implementations,
-and the residual sums they write must be identical. Triton's interpreter truncates a cast to bf16 where a GPU (and torch) rounds to
-nearest, so there each bf16 rounding may land one step lower: in bf16 the CPU runs allow that,
-and float32 (no cast) is held as tightly as on the GPU. Sizes are small: the interpreter is slow.
+(marked ``cuda``): conftest's ``triton_device``. The torch code is HF's arithmetic, each op rounded
+to the activation dtype, so on a GPU the kernels must agree with it to the last bit (rotary), or
+within a rounding step or two where a float32 sum is taken in another order or ``rsqrt`` and
+``exp`` are other implementations, and the residual sums they write must be identical. Triton's
+interpreter truncates a cast to bf16 where a GPU (and torch) rounds to nearest, so there each bf16
+rounding may land one step lower: in bf16 the CPU runs allow that, and float32 (no cast) is held as
+tightly as on the GPU. Sizes are small: the interpreter is slow.
 """
 
 import pytest
@@ -70,7 +71,8 @@ def test_add_rms_norm_on_heads_of_a_strided_view(device, triton_layers):
     q = qkv[:, :4 * 32].view(5, 4, 32)
     out = fused(q)
     assert out.shape == q.shape and out.is_contiguous()
-    torch.testing.assert_close(out, reference(q), atol=0, rtol=steps(device, torch.bfloat16, 2, 2) * ULP[torch.bfloat16])
+    rtol = steps(device, torch.bfloat16, 2, 2) * ULP[torch.bfloat16]
+    torch.testing.assert_close(out, reference(q), atol=0, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -109,9 +109,11 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_ca
     """``RotaryEmbedding.forward``: q and k ``[tokens, heads, head_dim]`` (views into the qkv output),
     turned into new tensors. Unlike the C++ kernel, not in place: a thread here reads the partners
     of its values, which other threads of the program would write, and nothing orders the two (an
-    H100 run of an in-place version gave wrong values now and then). Positions come from the scheduler, which
-    keeps them under ``max_model_len``, the table's length: they are not checked here, which would
-    cost a read back to the host."""
+    H100 run of an in-place version gave wrong values now and then). Launched without FP fusion:
+    with it the compiler made the first product and the sum one FMA (``fma.rn.bf16x2`` on an H100),
+    skipping the product's rounding, and a fifth of the values came out an ulp from torch's.
+    Positions come from the scheduler, which keeps them under ``max_model_len``, the table's length:
+    they are not checked here, which would cost a read back to the host."""
     head_dim = q.shape[-1]
     rotated = []
     for x in (q, k):
@@ -121,7 +123,8 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_ca
         if x.numel():
             jit(_rotary_kernel)[(x.shape[0],)](
                 x, out, positions, cos_sin_cache, x.stride(0), x.stride(1), x.shape[1], HEAD_DIM=head_dim,
-                BLOCK_H=triton.next_power_of_2(x.shape[1]), BLOCK_D=triton.next_power_of_2(head_dim))
+                BLOCK_H=triton.next_power_of_2(x.shape[1]), BLOCK_D=triton.next_power_of_2(head_dim),
+                enable_fp_fusion=False)
         rotated.append(out)
     return tuple(rotated)
 

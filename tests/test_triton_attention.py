@@ -169,10 +169,26 @@ def test_cuda_triton_kernels_match_the_oracle_at_4k_tokens(heads):
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_cuda_triton_decode_through_graphs_matches_eager(tiny_models, arch):
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    """Greedy tokens through CUDA graphs are eager's, up to a bf16 near-tie.
+
+    Not bit for bit: a graph's batch is padded to its bucket and its block table is the widest, and
+    the decode kernel splits the keys by both (``decode_num_splits``), so the softmax sums in another
+    order. On an H100 the chosen tokens' logprobs differed by up to 0.05; a random tiny model's
+    near-flat logits then tie now and then (one run chose another 24th token). So each sequence must
+    match eager's token for token until it ends or parts at a step where eager ranked both tokens
+    within ``NEAR_TIE``, and the logprobs before that must agree as closely.
+    """
+    NEAR_TIE = 0.15  # nats
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     common = dict(dtype="bfloat16", device="cuda", attention_backend="triton", num_kvcache_blocks=64)
     graphs = LLM(tiny_models[arch], **common)
     assert graphs.model_runner.graph_runner.graphs, "decode should replay CUDA graphs"
     got = graphs.generate(PROMPTS, params, use_tqdm=False)
     expected = LLM(tiny_models[arch], enforce_eager=True, **common).generate(PROMPTS, params, use_tqdm=False)
-    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in expected]
+    for g, e in zip(got, expected):
+        steps = zip(g["token_ids"], e["token_ids"], g["outputs"][0]["logprobs"], e["outputs"][0]["logprobs"])
+        for step, (g_token, e_token, g_logprobs, e_logprobs) in enumerate(steps):
+            if g_token != e_token:  # a near-tie in eager's own ranking; after it the sequences differ
+                assert e_logprobs[e_token] - e_logprobs.get(g_token, -float("inf")) <= NEAR_TIE, step
+                break
+            assert abs(g_logprobs[g_token] - e_logprobs[e_token]) <= NEAR_TIE, step

@@ -2,11 +2,18 @@
 
 import json as json_module
 import math
+import numbers
 from dataclasses import dataclass
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    """A finite real number (numpy's too): a string, None, a bool or inf would otherwise fail later,
+    or worse, sample from NaN logits."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
@@ -96,15 +103,15 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if not (_is_number(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
+        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
@@ -113,25 +120,32 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or value < 0):
                 raise ValueError(f"{field} must be None or an integer >= 0, got {value!r}")
         # One form inside the engine: a list of strings, a list of ints.
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple, type(None))) or not all(isinstance(s, str) and s
+                                                                           for s in self.stop or []):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(_is_int(t) for t in self.stop_token_ids):
+        self.stop = list(self.stop or [])
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))) \
+                or not all(_is_int(t) for t in self.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
         for field in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, field) <= 2:
-                raise ValueError(f"{field} must be in [-2, 2], got {getattr(self, field)}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 means none), got {self.repetition_penalty}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            if not (_is_number(getattr(self, field)) and -2 <= getattr(self, field) <= 2):
+                raise ValueError(f"{field} must be in [-2, 2], got {getattr(self, field)!r}")
+        if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError("repetition_penalty must be a number > 0 (1 means none), "
+                             f"got {self.repetition_penalty!r}")
+        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}")
         self.logit_bias = dict(self.logit_bias or {})
         if not all(_is_int(t) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b)
                    for t, b in self.logit_bias.items()):

@@ -23,6 +23,13 @@ def assert_still_usable(llm):
 @pytest.mark.parametrize("kwargs, field", [
     ({"temperature": -0.1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": 0}, "top_k"), ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
+    # the wrong type: a ValueError naming the field, not a TypeError from a comparison inside
+    ({"temperature": "0.7"}, "temperature"), ({"temperature": None}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"), ({"top_p": "1"}, "top_p"), ({"top_k": None}, "top_k"),
+    ({"max_tokens": True}, "max_tokens"), ({"seed": "3"}, "seed"), ({"presence_penalty": "x"}, "presence_penalty"),
+    ({"repetition_penalty": None}, "repetition_penalty"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"min_p": "0.1"}, "min_p"), ({"stop": 5}, "stop"), ({"stop_token_ids": 7}, "stop_token_ids"),
+    ({"logit_bias": [1]}, "logit_bias"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -90,6 +90,9 @@ class Config:
     # Drafts checked by the target model several tokens a step (spec_decode.py), as vLLM's dict:
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}. None: one token a step.
     speculative_config: SpeculativeConfig | dict | None = None
+    # Seeds the random draws of requests without a seed of their own (vLLM's engine seed), so a
+    # run repeats; a request's own seed still wins. None: different draws every run.
+    seed: int | None = None
     # Set by resolve_limits: whether max_model_len was left to default (it may then shrink to fit the cache).
     max_model_len_is_default: bool = field(default=False, init=False, repr=False)
 
@@ -102,9 +105,12 @@ class Config:
         return cls(model=model, **kwargs)
 
     def __post_init__(self):
+        def is_int(value) -> bool:  # True is an int to Python, and a tensor shape of 1 to torch
+            return isinstance(value, int) and not isinstance(value, bool)
+
         for name in ("max_num_batched_tokens", "max_model_len", "kvcache_block_size", "num_kvcache_blocks"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name in ("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill", "learner_mode",
                      "skip_tokenizer_init"):
@@ -112,15 +118,18 @@ class Config:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("max_logprobs", "max_stop_strings", "max_stop_string_length"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+        if self.seed is not None and not is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not is_int(self.max_num_seqs) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+        if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         # Strictly below 1: the rest is the margin for what no measurement sees (allocator rounding
         # and fragmentation, a library's lazily allocated workspace).
-        if not 0 < self.gpu_memory_utilization < 1:
+        utilization = self.gpu_memory_utilization
+        if not (isinstance(utilization, (int, float)) and not isinstance(utilization, bool) and 0 < utilization < 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")

@@ -54,7 +54,7 @@ class ModelRunner:
             use_cpu_kernels(self.model, self.dtype)
         elif not config.learner_mode:  # on a GPU: the norms, SiLU and rotary in one Triton kernel each
             use_triton_kernels(self.model)
-        self.sampler = Sampler(cpu_kernel=self.device.type == "cpu" and not config.learner_mode)
+        self.sampler = Sampler(self.device.type == "cpu" and not config.learner_mode, config.seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = get_backend(config.attention_kernels, self.device, config.learner_mode)

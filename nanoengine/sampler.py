@@ -123,10 +123,14 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
 
 class Sampler:
     """``cpu_kernel``: sample CPU logits through cpu_sampler.cpp (softmax and inverse CDF in one
-    pass a row) where it builds; else, and in learner mode, through the torch ops below."""
+    pass a row) where it builds; else, and in learner mode, through the torch ops below. With the
+    engine's ``seed``, unseeded rows draw from a generator of its own, started from that seed, so
+    that neither other engines in the process nor the user's code move its draws; without, from
+    torch's global one."""
 
-    def __init__(self, cpu_kernel: bool = False):
+    def __init__(self, cpu_kernel: bool = False, seed: int | None = None):
         self.library = load("cpu_sampler.cpp") if cpu_kernel else None
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, temperatures: list[float], top_ks: list[int],
                  top_ps: list[float], seeds: list[int | None], positions: list[int],
@@ -182,11 +186,12 @@ class Sampler:
             tokens.data_ptr(), torch.get_num_threads())
         return tokens
 
-    @staticmethod
-    def uniform(seeds: list[int | None], positions: list[int], device: torch.device, draw: int = 0) -> torch.Tensor:
-        """One uniform number per row; a seeded row's comes from a generator keyed by its seed, the
-        position of the token it decides and which ``draw`` this is at that position."""
-        uniform = torch.rand(len(seeds))
+    def uniform(self, seeds: list[int | None], positions: list[int], device: torch.device,
+                draw: int = 0) -> torch.Tensor:
+        """One uniform number per row: an unseeded row's from the engine's generator, a seeded row's
+        from a generator keyed by its seed, the position of the token it decides and which ``draw``
+        this is at that position."""
+        uniform = torch.rand(len(seeds), generator=self.generator)
         for row, seed in enumerate(seeds):
             if seed is not None:
                 key = (seed, positions[row]) if draw == 0 else (seed, positions[row], draw)

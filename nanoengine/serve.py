@@ -158,6 +158,8 @@ ENGINE_OPTIONS = {
                                 help="auto: flash-attn on CUDA where installed, else Triton; C++ kernels on CPU"),
     "--speculative-config": dict(type=json.loads, metavar="JSON", help="speculative decoding, as LLM's dict: "
                                  '\'{"method": "ngram", "num_speculative_tokens": 4}\''),
+    "--seed": dict(type=int, help="seeds the draws of requests that bring no seed (default: none, draws differ "
+                                  "every run)"),
 }
 
 

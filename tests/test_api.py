@@ -75,10 +75,33 @@ def test_sampling_params_list_must_match_prompts(llm):
     ({"gpu_memory_utilization": 1.0}, "gpu_memory_utilization"),
     ({"max_logprobs": -1}, "max_logprobs"), ({"max_stop_strings": "8"}, "max_stop_strings"),
     ({"dtype": "float16", "quantization": "int8"}, "quantization='int8' needs dtype"),  # the kernel takes bf16/fp32
+    ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization"), ({"max_num_seqs": True}, "max_num_seqs"),
+    ({"kvcache_block_size": True}, "kvcache_block_size"), ({"seed": "1"}, "seed"), ({"seed": True}, "seed"),
 ])
 def test_bad_engine_options_raise_value_error(tiny_models, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(tiny_models["llama"], **kwargs)
+
+
+def test_the_engine_seed_repeats_a_run_whatever_else_draws(tiny_models):
+    """Requests without a seed of their own draw from the engine's generator: two engines with one
+    seed sample the same tokens, though torch's global generator is reseeded between them and the
+    first engine keeps drawing; another seed samples others (24 tokens of a near-uniform tiny model)."""
+    import torch
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    prompts = ["hello there", "one two three"]
+
+    def sample(engine):
+        return [o["token_ids"] for o in engine.generate(prompts, params, use_tqdm=False)]
+
+    first = LLM(tiny_models["llama"], dtype="float32", seed=7)
+    torch.manual_seed(123)
+    expected = sample(first)
+    torch.manual_seed(456)
+    second = LLM(tiny_models["llama"], dtype="float32", seed=7)
+    sample(first)  # the first engine's draws do not move the second's
+    assert sample(second) == expected
+    assert sample(LLM(tiny_models["llama"], dtype="float32", seed=8)) != expected
 
 
 def test_missing_model_path_is_named(tmp_path):

@@ -5,6 +5,7 @@ out-of-range option fails here with a ``ValueError`` instead of deep inside a st
 """
 
 import importlib.util
+import numbers
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -129,7 +130,7 @@ class Config:
         # Strictly below 1: the rest is the margin for what no measurement sees (allocator rounding
         # and fragmentation, a library's lazily allocated workspace).
         utilization = self.gpu_memory_utilization
-        if not (isinstance(utilization, (int, float)) and not isinstance(utilization, bool) and 0 < utilization < 1):
+        if not (isinstance(utilization, numbers.Real) and not isinstance(utilization, bool) and 0 < utilization < 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")

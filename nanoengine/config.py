@@ -5,11 +5,11 @@ out-of-range option fails here with a ``ValueError`` instead of deep inside a st
 """
 
 import importlib.util
-import numbers
 from dataclasses import dataclass, field, fields
 
 import torch
 
+from nanoengine.sampling_params import is_int, is_number
 from nanoengine.spec_decode import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
@@ -106,9 +106,6 @@ class Config:
         return cls(model=model, **kwargs)
 
     def __post_init__(self):
-        def is_int(value) -> bool:  # True is an int to Python, and a tensor shape of 1 to torch
-            return isinstance(value, int) and not isinstance(value, bool)
-
         for name in ("max_num_batched_tokens", "max_model_len", "kvcache_block_size", "num_kvcache_blocks"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
@@ -129,8 +126,7 @@ class Config:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         # Strictly below 1: the rest is the margin for what no measurement sees (allocator rounding
         # and fragmentation, a library's lazily allocated workspace).
-        utilization = self.gpu_memory_utilization
-        if not (isinstance(utilization, numbers.Real) and not isinstance(utilization, bool) and 0 < utilization < 1):
+        if not (is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization < 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")

@@ -11,6 +11,8 @@ import inspect
 
 from jinja2 import TemplateError
 
+from nanoengine.sampling_params import is_int
+
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
@@ -29,7 +31,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             self.check_prompt_text(prompt)
             token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             token_ids = list(prompt)
         else:
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")

@@ -146,6 +146,7 @@ class ModelRunner:
         return host.to(self.device, non_blocking=True)
 
     def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
+        """Host data on the device; on CUDA through pinned memory, so the copy does not wait."""
         return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
 
     def prepare_prefill(self, seqs: list[Sequence]):

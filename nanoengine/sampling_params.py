@@ -6,11 +6,12 @@ import numbers
 from dataclasses import dataclass
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
+    """An int and not a bool (True is an int to Python, and a tensor size of 1 to torch)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x) -> bool:
+def is_number(x) -> bool:
     """A finite real number (numpy's too): a string, None, a bool or inf would otherwise fail later,
     or worse, sample from NaN logits."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
@@ -103,42 +104,40 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
-        if not (_is_number(self.temperature) and self.temperature >= 0):
+        if not (is_number(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
-        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
+        if not (is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         for field in ("logprobs", "prompt_logprobs"):
             value = getattr(self, field)
-            if value is not None and (not _is_int(value) or value < 0):
+            if value is not None and (not is_int(value) or value < 0):
                 raise ValueError(f"{field} must be None or an integer >= 0, got {value!r}")
         # One form inside the engine: a list of strings, a list of ints.
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.stop, (list, tuple, type(None))) or not all(isinstance(s, str) and s
-                                                                           for s in self.stop or []):
+        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
-        self.stop = list(self.stop or [])
-        if not isinstance(self.stop_token_ids, (list, tuple, type(None))) \
-                or not all(_is_int(t) for t in self.stop_token_ids or []):
+        self.stop = list(stop)
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(is_int(t) for t in ids):
             raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = list(ids)
         for field in ("presence_penalty", "frequency_penalty"):
-            if not (_is_number(getattr(self, field)) and -2 <= getattr(self, field) <= 2):
+            if not (is_number(getattr(self, field)) and -2 <= getattr(self, field) <= 2):
                 raise ValueError(f"{field} must be in [-2, 2], got {getattr(self, field)!r}")
-        if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):
+        if not (is_number(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError("repetition_penalty must be a number > 0 (1 means none), "
                              f"got {self.repetition_penalty!r}")
-        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
+        if not (is_number(self.min_p) and 0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -147,7 +146,7 @@ class SamplingParams:
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}")
         self.logit_bias = dict(self.logit_bias or {})
-        if not all(_is_int(t) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b)
+        if not all(is_int(t) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b)
                    for t, b in self.logit_bias.items()):
             raise ValueError(f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}")
 
@@ -178,9 +177,9 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self):
-        if not _is_int(self.beam_width) or self.beam_width < 1:
+        if not is_int(self.beam_width) or self.beam_width < 1:
             raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
             raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")

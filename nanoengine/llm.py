@@ -19,16 +19,30 @@ def sample_output(seq: Sequence) -> dict:
             "cumulative_logprob": seq.cumulative_logprob, "logprobs": seq.logprobs}
 
 
+def _prompt_list(prompts) -> list:
+    """One prompt (text or a dict) as a list of one; a list or tuple of prompts as a list."""
+    prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a prompt or a non-empty list of them (strings, token-id lists, "
+                         "{'prompt': ...} or {'prompt_token_ids': ...})")
+    return list(prompts)
+
+
 class LLM(LLMEngine):
-    def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
+    def generate(self, prompts: str | dict | list[str | list[int] | dict],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
-        """Complete every prompt; results come back in the order of the prompts.
+        """Complete every prompt (text, token ids, or vLLM's ``{"prompt": ...}`` and
+        ``{"prompt_token_ids": ...}``; one alone or a list); results come back in the order of the
+        prompts. Without ``sampling_params``, ``SamplingParams()``'s defaults.
 
         Each result holds its ``n`` samples under "outputs" and, for the first of them, "text",
-        "token_ids" and "finish_reason" at the top, as ``n=1`` always did.
+        "token_ids" and "finish_reason" at the top, as ``n=1`` always did; and the prompt's
+        "prompt_token_ids".
         """
-        if not isinstance(prompts, list) or not prompts:
-            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+        prompts = _prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -56,7 +70,8 @@ class LLM(LLMEngine):
         for group in groups:
             outputs = [sample_output(seq) for seq in group]
             results.append({**{k: outputs[0][k] for k in ("text", "token_ids", "finish_reason")},
-                            "outputs": outputs, "prompt_logprobs": group[0].prompt_logprobs})
+                            "outputs": outputs, "prompt_token_ids": group[0].token_ids[:group[0].num_prompt_tokens],
+                            "prompt_logprobs": group[0].prompt_logprobs})
         return results
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams],
@@ -71,12 +86,11 @@ class LLM(LLMEngine):
         return self.generate([self.chat_prompt(c, chat_template_kwargs) for c in conversations], sampling_params,
                              use_tqdm)
 
-    def beam_search(self, prompts: list[str] | list[list[int]], params: BeamSearchParams) -> list[dict]:
+    def beam_search(self, prompts: str | dict | list[str | list[int] | dict], params: BeamSearchParams) -> list[dict]:
         """The ``beam_width`` best completions of each prompt, best first (see beam_search.py)."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        if not isinstance(prompts, list) or not prompts:
-            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+        prompts = _prompt_list(prompts)
         token_ids = [self.tokenize(p) for p in prompts]
         if (longest := max(map(len, token_ids))) + params.max_tokens - 1 > self.config.max_model_len:
             raise ValueError(f"max_tokens={params.max_tokens} after a prompt of {longest} tokens exceeds "

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
+from nanoengine.input_processor import text_of_parts
 from nanoengine.openai_protocol import OpenAIRequest, Schema, no_op
 
 
@@ -48,6 +49,7 @@ class ChatMessage(Schema):
     refusal: Annotated[str | None, no_op(None, why="a refusal cannot be written into the chat template")] = None
     function_call: Annotated[dict | None, no_op(None, why="functions are deprecated: use tools")] = None
     audio: Annotated[dict | None, no_op(None, why="only text is generated")] = None
+    annotations: list | None = None  # IGNORED
 
     @model_validator(mode="after")
     def fields_of_its_role(self):
@@ -60,11 +62,11 @@ class ChatMessage(Schema):
         return self
 
     def for_template(self) -> dict:
-        """The message as the chat template reads it: content parts joined by newlines, as vLLM
-        does, developer as system, and a tool call's arguments as an object (what templates, and
-        HF's chat-template guide, expect; vLLM does the same)."""
+        """The message as the chat template reads it: content parts joined (``text_of_parts``),
+        developer as system, and a tool call's arguments as an object (what templates, and HF's
+        chat-template guide, expect; vLLM does the same)."""
         content = self.content or ""
-        text = content if isinstance(content, str) else "\n".join(part.text for part in content)
+        text = content if isinstance(content, str) else text_of_parts([part.model_dump() for part in content])
         message = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.tool_calls:
             message["tool_calls"] = [{"id": call.id, "type": "function", "function": {

@@ -15,8 +15,7 @@ import json
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
-                      field_validator, model_validator)
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
 
 from nanoengine.sampling_params import SamplingParams
 
@@ -36,6 +35,7 @@ IGNORED = {
     "modalities": 'only ["text"] is accepted: text is what is generated',
     "prediction": "predicted output only saves time; the tokens are the same without it",
     "name": "a message's author name, which the chat template does not read",
+    "annotations": "an earlier response's URL citations, sent back with its message; the template reads none",
 }
 
 
@@ -141,11 +141,16 @@ class OpenAIRequest(Schema):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    @field_validator("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
-        """OpenAI's API takes null for these, meaning the default, and some clients send it."""
-        return cls.model_fields[info.field_name].default if value is None else value
+    def null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI's API takes null for an optional field, meaning its default, and clients send it
+        (the openai SDK's ``echo=None``; vLLM's extensions, optional there, as ``extra_body={"top_k":
+        None}``): a null is dropped wherever the default is not null itself."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields
+                or cls.model_fields[k].default is None}
 
 
 def one_of_the_prompt_forms(value: Any, handler) -> Any:

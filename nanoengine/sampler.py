@@ -252,7 +252,8 @@ class Sampler:
                 head = probs.sort(dim=-1, descending=True).values
             # The token at rank r stays while the tokens ranked above it hold less than top_p
             # (so the most likely token always stays); rows with top_p = 1 keep everything.
-            num_kept = ((head.cumsum(dim=-1) - head) < ps).sum(-1, keepdim=True)
+            # (clamped: a top_p below float32's smallest, 1e-46, is 0 here and would keep none)
+            num_kept = ((head.cumsum(dim=-1) - head) < ps).sum(-1, keepdim=True).clamp_min(1)
             threshold = head.gather(-1, num_kept - 1).masked_fill(ps >= 1, 0)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         return logits

@@ -63,8 +63,8 @@ class StructuredOutputsParams:
 class SamplingParams:
     """How to sample one request's completions.
 
-    ``temperature=0`` means greedy decoding. ``top_k=-1`` and ``top_p=1`` switch those filters
-    off. A ``seed`` makes the request's samples reproducible whatever else shares its batch: token
+    ``temperature=0`` means greedy decoding. ``top_k=-1`` (or 0, as in vLLM) and ``top_p=1``
+    switch those filters off. A ``seed`` makes the request's samples reproducible whatever else shares its batch: token
     for token in bfloat16 on CPU; in float32, whose matmuls (torch's) and decode attention round
     differently at different batch sizes, a sample may still change where two tokens nearly tie.
     ``n`` samples share the prompt's computation and KV blocks. ``logprobs=k`` returns, for each
@@ -108,8 +108,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
         if not (is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+        self.top_k = -1 if self.top_k == 0 else int(self.top_k)  # vLLM's 0 means what -1 does
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and not is_int(self.seed):
@@ -181,5 +182,5 @@ class BeamSearchParams:
             raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if not is_number(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")

@@ -65,6 +65,16 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
     app.add_middleware(RequestLog)  # request ids, and a log line for every 4xx and 5xx
     app.include_router(tokenization_router(engine))  # /tokenize and /detokenize
 
+    def check_context(prompt_ids: list[list[int]], max_tokens: int | None, field: str) -> None:
+        """A 400 for a request whose longest prompt and ``max_tokens`` together overrun the context,
+        as vLLM and OpenAI refuse it, rather than a completion cut short where the client asked
+        for more."""
+        longest = max(map(len, prompt_ids))
+        if max_tokens is not None and longest + max_tokens > max_model_len:
+            raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                             f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the "
+                             f"completion). Please reduce the length of the prompt or {field}.", field)
+
     # Tokenizing and templating run in a worker thread (``asyncio.to_thread``): on the event loop a
     # long prompt would hold up every stream's next token. The fast tokenizer encodes through the
     # Rust library, which releases the GIL; a template (Python) shares it at the interpreter's
@@ -74,6 +84,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
         clock = metrics.clock()
         prompts = prompt_batch(req.prompt)
         prompt_ids = await tokenize_batch(engine, prompts)
+        check_context(prompt_ids, req.max_tokens, "max_tokens")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
         echo = Echo(engine.tokenizer, prompts, prompt_ids, req.n, req.logprobs, drop_sample=max_tokens == 0) \
             if req.echo else None
@@ -99,8 +110,11 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
         except ValueError as e:  # about the prompt the engine makes of the messages, or the template's variables
             field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
             raise BadRequest(str(e), field) from None
-        # Unset means "until the context is full", as OpenAI's chat API does.
-        max_tokens = next((m for m in (req.max_tokens, req.max_completion_tokens) if m is not None),
+        # Unset means "until the context is full", as OpenAI's chat API does; with both set, the newer
+        # name wins (max_tokens is deprecated), as in vLLM.
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        check_context([prompt_ids], getattr(req, field), field)
+        max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None),
                           max(1, max_model_len - len(prompt_ids)))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return await generate(engine, model_name, request, req, [prompt_ids], max_tokens, chat=True, logprobs=logprobs, clock=clock,

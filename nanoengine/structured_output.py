@@ -84,7 +84,7 @@ class GrammarCompiler:
         try:
             grammar = {"json": lambda: matcher.grammar_from_json_schema(text, defaults=compact),
                        "json_object": lambda: matcher.grammar_from_json_schema('{"type": "object"}', defaults=compact),
-                       "regex": lambda: matcher.grammar_from_regex(text),
+                       "regex": lambda: matcher.grammar_from_regex(ascii_classes(text)),
                        "choice": lambda: matcher.grammar_from_lark(_choice_grammar(json.loads(text))),
                        "grammar": lambda: matcher.grammar_from_lark(llguidance.gbnf_to_lark.any_to_lark(text))}[kind]()
             error = matcher.validate_grammar(grammar, tokenizer)
@@ -110,6 +110,44 @@ class GrammarCompiler:
     def matcher(self, params: StructuredOutputsParams):
         """A fresh matcher for ``params``' grammar, at its start: a copy of the cached one."""
         return self.compile(params).deep_copy()
+
+
+# \d, \w and their complements as vLLM's default backend (xgrammar) and JSON Schema's regexes
+# (ECMA-262) read them: ASCII. llguidance's regexes are Rust's, where \d is any Unicode digit, and a
+# model asked for \d{3} wrote U+1FBF8 (a segmented-display eight) three times. Inside a class the
+# set is spelled out, or nested as a class (Rust's syntax has nested classes).
+_ASCII_ESCAPES = {"d": "0-9", "w": "0-9A-Za-z_"}
+
+
+def ascii_classes(regex: str) -> str:
+    """``regex`` with each ``\\d``, ``\\D``, ``\\w`` and ``\\W`` (in a class or not) over ASCII only."""
+    out, i, depth = [], 0, 0
+    while i < len(regex):
+        if regex[i] == "\\" and i + 1 < len(regex):
+            escape = regex[i + 1]
+            ascii_set = _ASCII_ESCAPES.get(escape.lower())
+            if ascii_set is None:
+                out.append(regex[i:i + 2])
+            elif escape.islower():  # \d, \w
+                out.append(ascii_set if depth else f"[{ascii_set}]")
+            else:  # \D, \W
+                out.append(f"[^{ascii_set}]")
+            i += 2
+            continue
+        if regex[i] == "[":
+            depth += 1
+            out.append("[")
+            i += 1
+            for literal in "^]":  # [^ starts a negated class; a ] first in a class is a literal
+                if regex.startswith(literal, i):
+                    out.append(literal)
+                    i += 1
+            continue
+        if regex[i] == "]" and depth:
+            depth -= 1
+        out.append(regex[i])
+        i += 1
+    return "".join(out)
 
 
 def _choice_grammar(choices: list[str]) -> str:

@@ -74,7 +74,7 @@ class ToolChoice:
 
     def parser(self) -> ToolCallParser | None:
         """A parser for one choice's text; None with "none", whose text is all content."""
-        return ToolCallParser(self.parallel) if self.choice != "none" else None
+        return ToolCallParser(self.parallel, content=not self.forced) if self.choice != "none" else None
 
     def chat_prompt(self, engine: AsyncLLMEngine, conversation: list[dict],
                     chat_template_kwargs: dict | None) -> list[int]:

@@ -61,11 +61,13 @@ class ToolCallParser:
     still begin a tag is held back, and so are blanks until content follows them (the blanks around
     calls never reach the content). A tagged block that is not a call is content, as written; with
     ``parallel`` false, calls after the first are dropped. At ``final``, what is held back is given
-    out as content; a call cut short (``max_tokens``) keeps the arguments it has.
+    out as content; a call cut short (``max_tokens``) keeps the arguments it has. Without
+    ``content`` (a grammar forced the calls, so there is none) nothing is content: the text around
+    the calls is the grammar's, and a tag cut short by ``max_tokens`` is dropped, not given out.
     """
 
-    def __init__(self, parallel: bool = True):
-        self.parallel = parallel
+    def __init__(self, parallel: bool = True, content: bool = True):
+        self.parallel, self.has_content = parallel, content
         self.calls: list[dict] = []
         self.pending = ""  # text not yet given out
         self.state = "text"  # "text" | "head" (in a tag, before the arguments) | "arguments" | "tail" (to the end tag)
@@ -101,7 +103,7 @@ class ToolCallParser:
 
     def _content(self, text: str, content: list[str]) -> None:
         text = text.rstrip()
-        if text:
+        if text and self.has_content:
             content.append(text.lstrip() if self.after_call else text)
             self.after_call = False
 

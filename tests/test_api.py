@@ -1,5 +1,6 @@
 """The public API's contract: validation errors that leave the engine usable, output shapes."""
 
+import numpy as np
 import pytest
 
 from nanoengine import LLM, BeamSearchParams, SamplingParams
@@ -22,7 +23,7 @@ def assert_still_usable(llm):
 
 @pytest.mark.parametrize("kwargs, field", [
     ({"temperature": -0.1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": 0}, "top_k"), ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
+    ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
     # the wrong type: a ValueError naming the field, not a TypeError from a comparison inside
     ({"temperature": "0.7"}, "temperature"), ({"temperature": None}, "temperature"),
     ({"temperature": float("inf")}, "temperature"), ({"top_p": "1"}, "top_p"), ({"top_k": None}, "top_k"),
@@ -44,6 +45,19 @@ def test_bad_prompt_raises_before_anything_is_queued(llm, prompts, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(["fine prompt"] + prompts if prompts else prompts, GREEDY, use_tqdm=False)
     assert not llm.has_unfinished_requests()
+    assert_still_usable(llm)
+
+
+def test_prompts_come_in_vllms_forms_and_sampling_params_default_to_its_own(llm):
+    ids = llm.tokenize("one two")
+    expected = llm.generate(["one two"], GREEDY, use_tqdm=False)
+    assert expected[0]["prompt_token_ids"] == ids
+    for prompts in ("one two", {"prompt": "one two"}, [{"prompt_token_ids": ids}], ({"prompt": "one two"},),
+                    [list(np.array(ids))]):  # numpy's integers
+        assert llm.generate(prompts, GREEDY, use_tqdm=False) == expected
+    assert len(llm.generate("one two", use_tqdm=False)[0]["token_ids"]) >= 1  # SamplingParams()
+    with pytest.raises(ValueError, match="prompt dict"):
+        llm.generate([{"text": "one two"}], GREEDY, use_tqdm=False)
     assert_still_usable(llm)
 
 

@@ -121,6 +121,27 @@ def test_logit_bias_is_added_before_temperature():
     assert 0.85 < tokens.float().mean() < 0.91
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(logit_bias={1: 1e39}),  # inf in float32
+    SamplingParams(logit_bias={1: 1e39}, min_tokens=2, stop_token_ids=[1]),  # inf plus a hold-back's -inf
+    SamplingParams(repetition_penalty=1e-38),  # divides the seen tokens' logits past float32's range
+])
+@pytest.mark.parametrize("temperature", [1.0, 1e-6])
+def test_a_logit_pushed_past_floats_range_stays_finite_and_wins(params, temperature):
+    """Without the cap, the row's softmax is NaN and its samples are noise (any token at all)."""
+    n = 2000
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]]).repeat(n, 1)
+    seen = [1, 3]  # the prompt: token 1 has a positive logit, so the penalty makes it the largest
+    states = [(params, seen, len(seen), {})] * n
+    processors = build_logits_processors(states, {EOS}, logits.device)
+    assert not apply_logits_processors(logits, processors).isnan().any()
+    tokens = Sampler()(logits, [temperature] * n, [-1] * n, [1.0] * n, [None] * n, [0] * n, processors=processors)
+    if params.min_tokens:  # held back, token 1 is out however large its bias
+        assert set(tokens.tolist()) <= {0, 3} and 0 in tokens
+    else:
+        assert set(tokens.tolist()) == {1}
+
+
 # -- greedy decoding on a tiny model, against HF's forward with HF's processors --------------------
 
 PROMPTS = [[5, 17, 17, 40, 5, 99, 300, 17], list(range(100, 137)), [7, 7, 7]]

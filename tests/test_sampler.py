@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from nanoengine.sampler import LogitRows, Sampler
+from nanoengine.sampling_params import SamplingParams
 
 
 @pytest.fixture(params=[False, True], ids=["torch", "cpu_kernel"])
@@ -43,8 +44,13 @@ def test_top_p_keeps_the_smallest_set_reaching_p(sampler):
     assert set(sample(sampler, logits, top_p=0.7).tolist()) == {0, 1}
     # exactly reaching p: 0.5 + 0.3 = 0.8 is enough, the third token stays out.
     assert set(sample(sampler, logits, top_p=0.8).tolist()) == {0, 1}
-    # a tiny p still keeps the most likely token
+    # a tiny p still keeps the most likely token, even one that is 0 in float32
     assert set(sample(sampler, logits, top_p=1e-6).tolist()) == {0}
+    assert set(sample(sampler, logits, top_p=1e-300).tolist()) == {0}
+
+
+def test_top_k_zero_is_vllms_disabled():
+    assert SamplingParams(top_k=0).top_k == -1 == SamplingParams().top_k
 
 
 def brute_force_kept(logits: torch.Tensor, top_k: int, top_p: float) -> set[int]:

@@ -191,6 +191,14 @@ def test_chat_equals_generate_on_the_templates_token_ids(llm):
     assert llm.chat_prompt(conversation) == template_ids
 
 
+def test_chat_reads_openais_content_parts_as_the_server_does(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name"}, {"type": "text", "text": "a colour."}]}]
+    assert llm.chat_prompt(parts) == llm.chat_prompt([{"role": "user", "content": "Name\na colour."}])
+    with pytest.raises(ValueError, match="content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], SamplingParams(),
+                 use_tqdm=False)
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"n": 0}, "n"), ({"n": 1.5}, "n"), ({"logprobs": -1}, "logprobs"), ({"prompt_logprobs": -2}, "prompt_logprobs"),
     ({"stop_token_ids": ["2"]}, "stop_token_ids"), ({"stop_token_ids": [1.0]}, "stop_token_ids"),
@@ -204,6 +212,7 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
 @pytest.mark.parametrize("kwargs, field", [
     ({"beam_width": 0, "max_tokens": 4}, "beam_width"), ({"beam_width": 2, "max_tokens": 0}, "max_tokens"),
     ({"beam_width": 2, "max_tokens": 4, "length_penalty": "long"}, "length_penalty"),
+    ({"beam_width": 2, "max_tokens": 4, "length_penalty": float("nan")}, "length_penalty"),
 ])
 def test_invalid_beam_search_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -177,7 +177,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "stream": "yes"}),
     ("completions", {"prompt": "hi", "temperature": -1}),
     ("completions", {"prompt": "hi", "top_p": 0}),
-    ("completions", {"prompt": "hi", "top_k": 0}),
+    ("completions", {"prompt": "hi", "top_k": -2}),
     ("completions", {"prompt": "hi", "max_tokens": 0}),
     ("completions", {"prompt": "hi", "seed": 1.5}),
     ("completions", {"prompt": "hi", "stop": [""]}),
@@ -200,6 +200,8 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}),
     ("completions", {"prompt": "hello " * 2000}),  # longer than max_model_len
     ("completions", {"prompt": "hello " * 2000, "stream": True}),
+    ("completions", {"prompt": ["hi", "hi there"], "max_tokens": 10 ** 6}),  # the prompt and max_tokens overrun it
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10 ** 6}),
 ]
 
 
@@ -211,6 +213,17 @@ def test_bad_request_gets_400_and_the_next_good_one_succeeds(server, path, body)
     assert error["type"] == "invalid_request_error" and error["message"] and error["code"] is None
     good = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("completions", {"prompt": "hi", "max_tokens": 10 ** 6}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 6}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                          "max_completion_tokens": 10 ** 6}, "max_completion_tokens"),
+])
+def test_a_request_overrunning_the_context_is_refused_as_vllm_refuses_it(server, path, body, field):
+    error = httpx.post(f"{server}/v1/{path}", json=body, timeout=10).json()["error"]
+    assert error["param"] == field and "maximum context length is" in error["message"]
 
 
 def test_the_server_log_has_a_line_per_error_and_with_access_log_one_per_request(server, server_log):

@@ -74,6 +74,13 @@ def test_chat_with_every_honoured_and_ignored_field_equals_offline(client, model
     assert [len(c.logprobs.content) for c in response.choices] == [len(o["token_ids"]) for o in expected]
 
 
+def test_max_completion_tokens_wins_over_the_deprecated_max_tokens(client, model_name):
+    for both in (dict(max_tokens=3, max_completion_tokens=6), dict(max_tokens=6, max_completion_tokens=3)):
+        response = client.chat.completions.create(model=model_name, messages=MESSAGES, temperature=0,
+                                                  extra_body={"ignore_eos": True}, **both)
+        assert response.usage.completion_tokens == both["max_completion_tokens"]
+
+
 def test_completion_with_every_field_equals_offline(client, model_name, llm):
     prompt = [5, 17, 17, 40, 5, 99, 300, 17]
     fields = dict(max_tokens=10, temperature=0, top_p=1.0, seed=1, n=1, stop=None, logprobs=1, **PENALTIES)
@@ -110,7 +117,8 @@ def test_a_value_nanoengine_cannot_honour_is_refused_saying_why(client, model_na
 
 def test_null_means_the_default(server, llm):
     nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "stop",
-                           "logit_bias", "logprobs", "user"])
+                           "logit_bias", "logprobs", "user", "echo", "top_k", "min_p", "repetition_penalty",
+                           "min_tokens", "ignore_eos"])
     body = {"prompt": "Tell me about the sea", "max_tokens": 6, "seed": 3, **nulls}
     response = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
     assert response.status_code == 200, response.text
@@ -145,6 +153,10 @@ def test_an_assistant_message_returned_by_the_sdk_can_be_sent_back(client, model
     messages.append({"role": "user", "content": "And then?"})
     second = client.chat.completions.create(model=model_name, messages=messages, max_tokens=4, temperature=0)
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    # as a dict, the way agent frameworks keep history: annotations (null, or citations) come along
+    messages[1] = {**first.choices[0].message.model_dump(), "annotations": [{"type": "url_citation"}]}
+    again = client.chat.completions.create(model=model_name, messages=messages, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens == second.usage.prompt_tokens
 
 
 def test_responses_carry_system_fingerprint_and_refusal_as_null(server):

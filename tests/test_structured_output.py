@@ -11,6 +11,7 @@ import re
 import pytest
 
 from nanoengine import LLM, SamplingParams, StructuredOutputsParams
+from nanoengine.structured_output import ascii_classes
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
@@ -35,7 +36,7 @@ def check(params: StructuredOutputsParams, text: str) -> None:
     elif params.json_object:
         assert isinstance(json.loads(text), dict)
     elif params.regex is not None:
-        assert re.fullmatch(params.regex, text), text
+        assert re.fullmatch(params.regex, text, re.ASCII), text  # \d is [0-9], as in vLLM's xgrammar
     elif params.choice is not None:
         assert text in params.choice
     else:
@@ -68,6 +69,20 @@ def test_every_finished_output_matches_its_grammar_at_temperature_1(llm, params)
     assert len(done) >= 3, "a random model finishes some outputs within 128 tokens"
     for sample in done:
         check(params, sample["text"])
+
+
+@pytest.mark.parametrize("regex, ascii_regex", [
+    (r"\(\d{3}\) \d{3}-\d{4}", r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"), (r"\w+\W", "[0-9A-Za-z_]+[^0-9A-Za-z_]"),
+    (r"[\d-]{5}", "[0-9-]{5}"), (r"[^\w.]", "[^0-9A-Za-z_.]"), (r"[\D]", "[[^0-9]]"), (r"\D", "[^0-9]"),
+    (r"\\d", r"\\d"),  # an escaped backslash, then a d
+    (r"[]\d]", "[]0-9]"), (r"[^]\w]", "[^]0-9A-Za-z_]"),  # a ] first in a class is a literal
+    (r"[[:alpha:]\d]\p{L}\s", "[[:alpha:]0-9]\\p{L}\\s"),  # the rest as it was
+])
+def test_regex_digits_and_word_characters_are_ascii(regex, ascii_regex):
+    assert ascii_classes(regex) == ascii_regex
+    if "[[" not in ascii_regex and "\\p" not in regex:  # Rust's syntax only: nested classes, \p
+        for text in ("123", "١٢٣", "abc_9", "é", "-", "]"):  # Python's re, in ASCII mode, as the reference
+            assert bool(re.fullmatch(ascii_regex, text)) == bool(re.fullmatch(regex, text, re.ASCII)), text
 
 
 def test_json_object_on_the_default_model_always_parses():

@@ -77,6 +77,19 @@ def test_without_parallel_calls_only_the_first_is_kept():
     assert parse(QWEN, list(range(1, len(QWEN))), parallel=False)[1] == [CASES["hermes, two calls"][2][0]]
 
 
+@pytest.mark.parametrize("cut", ["<", "<tool_", "<tool_call>\n{\"na"])
+def test_forced_calls_have_no_content_even_where_max_tokens_cuts_the_next_tag(cut):
+    """A grammar that forces calls lets the model begin another after the first; cut there, the
+    partial tag is not content (the message's content stays null)."""
+    text = '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n' + cut
+    for pieces in ([text], list(text)):
+        parser, content = ToolCallParser(content=False), ""
+        for k, piece in enumerate(pieces):
+            content += parser.feed(piece, final=k == len(pieces) - 1)[0]
+        assert content == "" and [c["function"]["name"] for c in parser.calls] == ["a"]
+    assert ToolCallParser().feed(text, final=True)[0] == cut  # with content, as written
+
+
 def test_every_call_has_its_own_id():
     parser = ToolCallParser()
     parser.feed(QWEN, final=True)

@@ -87,7 +87,8 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
         return {"prompt_tokens": num_prompt_tokens, "completion_tokens": n, "total_tokens": num_prompt_tokens + n}
 
     def choice(index: int, text: str, finish_reason: str | None, token_logprobs: list | None, offset: int) -> dict:
-        """A choice of a response, or of a chunk when streaming; ``offset``: the length of its text before."""
+        """A choice of a response, or of a chunk when streaming; ``offset``: where its first token's
+        text starts, the length of the choice's tokens' texts before it."""
         logprobs_json = None
         if logprobs is not None and token_logprobs:
             logprobs_json = (chat_logprobs(engine.tokenizer, token_logprobs, logprobs) if chat
@@ -148,7 +149,10 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
         if chat:
             for i in range(req.n):
                 yield event({"index": i, "logprobs": None, "finish_reason": None, "delta": {"role": "assistant"}})
-        text_lengths, finish_reason = [0] * num_choices, "abort"  # until sample 0 ends: the client may leave first
+        # Per choice, where its next token's text starts: counted by the tokens, as a whole response
+        # counts, not by the text streamed so far, which lags behind them while a stop string may
+        # be beginning or a character is split across tokens.
+        offsets, finish_reason = [0] * num_choices, "abort"  # until sample 0 ends: the client may leave first
         try:
             async for out in stream:
                 clock.output(out.step)
@@ -156,9 +160,10 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
                     finish_reason = out.finish_reason
                 out = echo(out) if echo is not None else out
                 if out.text or out.finish_reason or out.logprobs:
-                    yield event(choice(out.index, out.text, out.finish_reason, out.logprobs,
-                                       text_lengths[out.index]))
-                text_lengths[out.index] += len(out.text)
+                    part = choice(out.index, out.text, out.finish_reason, out.logprobs, offsets[out.index])
+                    if part["logprobs"] is not None and not chat:
+                        offsets[out.index] += sum(map(len, part["logprobs"]["tokens"]))
+                    yield event(part)
                 num_tokens[out.index] += len(out.token_ids)
         except EngineError as e:  # the status line has gone out: the error can only be an event
             finish_reason = "error"

@@ -128,6 +128,22 @@ def test_echo_puts_each_prompt_before_its_choices(served, prompts, stream):
     assert texts == [e + t for e, t in zip(echoed, plain)]
 
 
+@pytest.mark.parametrize("body", [dict(prompt="Tell me about the sea", stop=["QQQQQ"]),  # text held back
+                                  dict(prompt="日本の首都は、", echo=True)])  # characters split across tokens
+def test_streamed_logprobs_and_text_offsets_are_the_whole_responses(served, body):
+    http, _ = served
+    body = dict(body, temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    whole = completions(http, **body)["choices"][0]["logprobs"]
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {") and (logprobs := httpx.Response(200, content=line[6:]).json()[
+                    "choices"][0]["logprobs"]):
+                for key in streamed:
+                    streamed[key] += logprobs[key]
+    assert streamed == {key: whole[key] for key in streamed}
+
+
 def rolling_windows(tokens: list[int], prefix_token: int, max_length: int) -> list[tuple[list[int], list[int]]]:
     """lm-eval's ``loglikelihood_rolling`` windows (``get_rolling_token_windows`` with context_len 1,
     then ``make_disjoint_window``) for ``max_length``: (context, continuation) pairs that predict

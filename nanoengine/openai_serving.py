@@ -143,8 +143,12 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
     async def events() -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
+        # With include_usage, every chunk but the last (usage, no choices) says ``usage: null``, as OpenAI's do.
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        extra = {"usage": None} if include_usage else {}
+
         def event(choice: dict) -> str:
-            return f"data: {json.dumps({**head, 'object': obj, 'choices': [choice]})}\n\n"
+            return f"data: {json.dumps({**head, 'object': obj, 'choices': [choice], **extra})}\n\n"
 
         if chat:
             for i in range(req.n):
@@ -169,7 +173,7 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
             finish_reason = "error"
             yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
         else:
-            if (req.stream_options or {}).get("include_usage"):
+            if include_usage:
                 yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': usage()})}\n\n"
         finally:
             clock.finish(finish_reason)

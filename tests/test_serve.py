@@ -122,6 +122,16 @@ def test_chat_completion_uses_the_chat_template(client, model_name, llm):
     assert chunks[-1].usage.completion_tokens == len(expected["token_ids"])
 
 
+@pytest.mark.parametrize("path, body", [("completions", {"prompt": "hi"}),
+                                        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_with_include_usage_every_chunk_but_the_last_says_usage_null(server, path, body):
+    body = {**body, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server}/v1/{path}", json=body, timeout=30) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert all("usage" in c and c["usage"] is None and c["choices"] for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
 def test_stop_string_cuts_the_text_and_frees_the_request(server, client, model_name, llm):
     text = offline(llm, PROMPTS[2:3], **GREEDY)[0]["text"]
     stop = text[len(text) // 2:len(text) // 2 + 3]

@@ -201,7 +201,7 @@ def plot_timeline(records: list[dict], path: str, title: str) -> None:
 
 def add_workload_options(parser: argparse.ArgumentParser) -> None:
     """The workload's options; bench_serving.py takes them too, to send the same requests over HTTP."""
-    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)")
+    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--num-seqs", type=int, default=64)
     parser.add_argument("--min-input-len", type=int, default=32)
     parser.add_argument("--max-input-len", type=int, default=256)
@@ -223,6 +223,8 @@ def resolve_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         args.max_model_len = 4096
         if getattr(args, "max_num_batched_tokens", None) is None:
             args.max_num_batched_tokens = 16384  # nano-vllm's default budget
+    if args.num_seqs < 1:
+        parser.error("--num-seqs must be >= 1")
     for lo, hi in (("min_input_len", "max_input_len"), ("min_output_len", "max_output_len")):
         if not 1 <= getattr(args, lo) <= getattr(args, hi):
             parser.error(f"--{lo.replace('_', '-')} must be >= 1 and <= --{hi.replace('_', '-')}")
@@ -272,13 +274,17 @@ def main():
     # Token-id prompts only: no tokenizer needed, so a directory with just a config.json runs too
     # (the grounded workload's chat prompts and --structured-output's grammar need the tokenizer).
     grounded = args.workload == "grounded"
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-              quantization=args.quantization, max_model_len=None if grounded else args.max_model_len,
-              skip_tokenizer_init=not (grounded or args.structured_output), speculative_config=args.speculative_config,
-              enable_prefix_caching=not args.structured_output,
-              attention_backend=args.attention_backend, load_format=args.load_format,
-              enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
-              tensor_parallel_size=args.tensor_parallel_size, num_kvcache_blocks=args.num_kvcache_blocks)
+    try:  # an option the engine refuses is the command line's error, as serve reports it
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
+                  quantization=args.quantization, max_model_len=None if grounded else args.max_model_len,
+                  skip_tokenizer_init=not (grounded or args.structured_output),
+                  speculative_config=args.speculative_config, enable_prefix_caching=not args.structured_output,
+                  attention_backend=args.attention_backend, load_format=args.load_format,
+                  enable_chunked_prefill=args.enable_chunked_prefill,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  tensor_parallel_size=args.tensor_parallel_size, num_kvcache_blocks=args.num_kvcache_blocks)
+    except ValueError as e:
+        parser.error(str(e))
     prompts, output_lens = json_requests(args, llm) if args.structured_output else make_requests(args, llm.vocab_size)
     options = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5) if args.penalties else {}
     if args.structured_output:

@@ -190,6 +190,8 @@ def main():
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args, server_args = parser.parse_known_args()
     resolve_workload(parser, args)
+    if args.workload != "random":
+        parser.error("--workload: only random's token-id prompts are sent over HTTP (grounded is bench.py's)")
     if not args.request_rate > 0:
         parser.error("--request-rate must be positive (inf: all at once)")
     if args.base_url and server_args:

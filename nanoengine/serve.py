@@ -189,10 +189,10 @@ LIMIT_OPTIONS = {
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="An OpenAI-compatible server for nanoengine")
-    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)")
+    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", help="the model's name in the API (default: --model as given)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port, default=8000)
     parser.add_argument("--access-log", action="store_true",
                         help="log every request (uvicorn's access log); errors are logged without it")
     group = parser.add_argument_group("engine options")
@@ -211,6 +211,13 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The engine options the command line set, as ``LLM(...)`` keywords."""
     names = (flag.removeprefix("--").replace("-", "_") for flag in ENGINE_OPTIONS | LIMIT_OPTIONS)
     return {name: value for name in names if (value := getattr(args, name)) is not None}
+
+
+def port(text: str) -> int:
+    """A TCP port, 0-65535 (argparse reports a ValueError as an invalid value)."""
+    if not 0 <= (number := int(text)) <= 65535:
+        raise ValueError(text)
+    return number
 
 
 def main() -> None:

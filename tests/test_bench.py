@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -113,3 +115,15 @@ def test_bench_structured_output_reports_both_throughputs(tiny_models, tmp_path)
     refused = subprocess.run([sys.executable, "bench.py", "--structured-output", "json", "--compare-hf"], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "not with --compare-hf or --workload grounded" in refused.stderr
+
+
+@pytest.mark.parametrize("command, message", [
+    (["bench.py", "--num-seqs", "0"], "--num-seqs must be >= 1"),
+    (["bench.py", "--num-seqs", "2", "--dtype", "float8"], "dtype must be"),  # the engine's ValueError
+    (["bench_serving.py", "--workload", "grounded"], "only random's token-id prompts"),
+    (["-m", "nanoengine.serve", "--port", "70000"], "invalid port value"),
+])
+def test_a_bad_command_line_is_one_error_line_not_a_traceback(tiny_models, command, message):
+    result = subprocess.run([sys.executable, *command, "--model", tiny_models["llama"]], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

@@ -64,9 +64,11 @@ class SamplingParams:
     """How to sample one request's completions.
 
     ``temperature=0`` means greedy decoding. ``top_k=-1`` (or 0, as in vLLM) and ``top_p=1``
-    switch those filters off. A ``seed`` makes the request's samples reproducible whatever else shares its batch: token
-    for token in bfloat16 on CPU; in float32, whose matmuls (torch's) and decode attention round
-    differently at different batch sizes, a sample may still change where two tokens nearly tie.
+    switch those filters off. A ``seed`` makes the request's samples reproducible whatever else
+    shares its batch: token for token in bfloat16 on CPU; in float32, whose matmuls (torch's) and
+    decode attention round differently at different batch sizes, a sample may still change where
+    two tokens nearly tie. (A preempted sequence's recompute runs through prefill's kernels, so its
+    later samples may differ in either: docs/api.md.)
     ``n`` samples share the prompt's computation and KV blocks. ``logprobs=k`` returns, for each
     sampled token, its logprob and the ``k`` most likely tokens' (``0``: the sampled token's
     only); ``prompt_logprobs=k`` the same for every prompt token. Logprobs are those of the

@@ -23,17 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoengine.sampling_params import SamplingParams
+from nanoengine.sampling_params import MAX_LOGIT, SamplingParams
 
 # Per row: its parameters, its token ids (prompt, then completion), the prompt's length, and how
 # often each token occurs in the completion (None unless a penalty is on).
 Row = tuple[SamplingParams, list[int], int, dict[int, int] | None]
-
-# The largest a processed logit may be. A bias past float32's range (1e39 is inf there), or a
-# repetition penalty small enough to divide a logit past it, would put inf in a row, and the
-# softmax's inf - inf turns every probability of the row into NaN. Capped here, such a token is
-# simply the most likely, and stays finite through the sampler's smallest temperature (1e-6).
-MAX_LOGIT = 1e30
 
 
 @dataclass
@@ -54,8 +48,7 @@ def build_logits_processors(rows: list[Row], eos_token_ids: set[int], device: to
     bias, repetition, counted = _Entries(), _Entries(), _Entries()
     for row, (params, token_ids, num_prompt_tokens, counts) in enumerate(rows):
         if params.logit_bias:
-            bias.add(row, params.logit_bias.keys(),
-                     [min(max(b, -MAX_LOGIT), MAX_LOGIT) for b in params.logit_bias.values()])
+            bias.add(row, params.logit_bias.keys(), params.logit_bias.values())  # capped at MAX_LOGIT
         if len(token_ids) - num_prompt_tokens < params.min_tokens:
             held_back = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
             bias.add(row, held_back, [float("-inf")] * len(held_back))

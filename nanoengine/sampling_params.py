@@ -6,6 +6,13 @@ import numbers
 from dataclasses import dataclass
 
 
+# The largest a processed logit may be (logits_processors.py). A bias past float32's range (1e39
+# is inf there), or a repetition penalty small enough to divide a logit past it, would put inf in a
+# row, and the softmax's inf - inf turns every probability of the row into NaN. Capped, such a token
+# is simply the most likely, and stays finite through the sampler's smallest temperature (1e-6).
+MAX_LOGIT = 1e30
+
+
 def is_int(x) -> bool:
     """An int and not a bool (True is an int to Python, and a tensor size of 1 to torch)."""
     return isinstance(x, int) and not isinstance(x, bool)
@@ -112,7 +119,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
-        self.top_k = -1 if self.top_k == 0 else int(self.top_k)  # vLLM's 0 means what -1 does
+        if self.top_k == 0:  # vLLM's 0 means what -1 does
+            self.top_k = -1
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and not is_int(self.seed):
@@ -148,10 +156,9 @@ class SamplingParams:
                              f"{type(self.structured_outputs).__name__}")
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}")
-        self.logit_bias = dict(self.logit_bias or {})
-        if not all(is_int(t) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b)
-                   for t, b in self.logit_bias.items()):
+        if not all(is_int(t) and t >= 0 and is_number(b) for t, b in (self.logit_bias or {}).items()):
             raise ValueError(f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}")
+        self.logit_bias = {t: min(max(b, -MAX_LOGIT), MAX_LOGIT) for t, b in (self.logit_bias or {}).items()}
 
     @property
     def penalizes(self) -> bool:

@@ -113,9 +113,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
         # Unset means "until the context is full", as OpenAI's chat API does; with both set, the newer
         # name wins (max_tokens is deprecated), as in vLLM.
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        check_context([prompt_ids], getattr(req, field), field)
-        max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None),
-                          max(1, max_model_len - len(prompt_ids)))
+        check_context([prompt_ids], requested := getattr(req, field), field)
+        max_tokens = requested if requested is not None else max(1, max_model_len - len(prompt_ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return await generate(engine, model_name, request, req, [prompt_ids], max_tokens, chat=True, logprobs=logprobs, clock=clock,
                               prompt_logprobs=req.prompt_logprobs,

@@ -199,6 +199,13 @@ def plot_timeline(records: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def json_path(text: str) -> str:
+    """``--json``'s PATH, refused at once if its directory does not exist, not after the run."""
+    if not os.path.isdir(os.path.dirname(os.path.abspath(text))):
+        raise argparse.ArgumentTypeError(f"{text}: its directory does not exist")
+    return text
+
+
 def add_workload_options(parser: argparse.ArgumentParser) -> None:
     """The workload's options; bench_serving.py takes them too, to send the same requests over HTTP."""
     parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -241,7 +248,7 @@ def main():
     parser.add_argument("--max-num-batched-tokens", type=int, help="the step's token budget (default: the engine's)")
     parser.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization (default: none)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to split the model over")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--json", metavar="PATH", type=json_path, help="also write the results as JSON to PATH")
     parser.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the same requests")
     parser.add_argument("--num-kvcache-blocks", type=int, help="a fixed KV cache size (default: from the memory budget)")
     parser.add_argument("--timeline", metavar="PATH.png", help="plot batch, KV blocks and preemptions per step")

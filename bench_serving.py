@@ -35,7 +35,7 @@ from typing import IO, Iterator
 
 import aiohttp
 
-from bench import add_workload_options, make_requests, resolve_workload
+from bench import add_workload_options, json_path, make_requests, resolve_workload
 
 
 @dataclass
@@ -187,7 +187,7 @@ def main():
     parser.add_argument("--base-url", help="an OpenAI-compatible server to measure instead of starting one")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second, Poisson arrivals (default: inf, all at once)")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--json", metavar="PATH", type=json_path, help="also write the results as JSON to PATH")
     args, server_args = parser.parse_known_args()
     resolve_workload(parser, args)
     if args.workload != "random":
@@ -199,7 +199,10 @@ def main():
 
     prompts, output_lens = make_requests(args, vocab_size(args.model))
     if args.base_url:
-        results, duration = asyncio.run(run(args.base_url, prompts, output_lens, args.request_rate, args.seed))
+        try:
+            results, duration = asyncio.run(run(args.base_url, prompts, output_lens, args.request_rate, args.seed))
+        except (aiohttp.ClientError, ValueError) as e:  # no server there, or a URL aiohttp cannot use
+            parser.exit(1, f"bench_serving.py: could not benchmark {args.base_url}: {e}\n")
     else:
         # bench.py's max_model_len, which sizes the CPU's KV cache; argparse keeps the last of a
         # repeated option, so a --max-model-len among server_args wins.

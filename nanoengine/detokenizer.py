@@ -22,16 +22,19 @@ class Detokenizer:
     left at the end, which is returned as U+FFFD, as ``decode`` gives it.
 
     The last ``len(longest stop string) - 1`` characters also wait, in case they begin a stop
-    string; the text is cut before the first match. A match ends in the new text, so only the
-    new text and those held-back characters are searched.
+    string; the text is cut before the first match (after it, with ``include_stop``). A match ends
+    in the new text, so only the new text and those held-back characters are searched; and, as in
+    vLLM, it ends in the text of a token past the first ``min_tokens``.
     """
 
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
+    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, skip_special_tokens: bool = True,
+                 min_tokens: int = 0):
+        self.tokenizer, self.stop, self.include_stop = tokenizer, stop, include_stop
+        self.skip_special_tokens, self.min_tokens = skip_special_tokens, min_tokens
         self.holdback = max(map(len, stop), default=1) - 1
         # DecodeStream skips cleanup_tokenization_spaces, which decode would apply.
         fast = hasattr(tokenizer, "backend_tokenizer") and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
-        self.decode_stream = DecodeStream(skip_special_tokens=True) if fast else None
+        self.decode_stream = DecodeStream(skip_special_tokens=skip_special_tokens) if fast else None
         self.token_ids: list[int] = []
         self.prefix_offset = self.read_offset = 0
         self.sent: list[str] = []  # what add has returned
@@ -50,14 +53,22 @@ class Detokenizer:
     def fork(self) -> "Detokenizer":
         """A detokenizer for a sequence forked from this one before its first token."""
         assert not self.token_ids
-        return Detokenizer(self.tokenizer, self.stop)
+        return Detokenizer(self.tokenizer, self.stop, self.include_stop, self.skip_special_tokens, self.min_tokens)
 
     def add(self, token_ids: list[int], finished: bool) -> str:
+        """The text that a sampled token (``token_ids``: it, or none for a stop token left out of
+        the text) makes final; one call per sampled token."""
         self.token_ids += token_ids
         text = self.held + self.detokenize(token_ids, finished)
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if cuts:
-            text, self.stopped = text[:min(cuts)], True
+        # (start, end) of each stop string's first match that ends in the new text; the earliest
+        # start ends the text
+        matches = []
+        if len(self.token_ids) > self.min_tokens:
+            found = ((s, text.find(s, max(0, len(self.held) - len(s) + 1))) for s in self.stop)
+            matches = [(i, i + len(s)) for s, i in found if i >= 0]
+        if matches:
+            start, end = min(matches)
+            text, self.stopped = text[:end if self.include_stop else start], True
         end = len(text) if self.stopped or finished else max(0, len(text) - self.holdback)
         delta, self.held = text[:end], text[end:]
         self.sent.append(delta)
@@ -67,7 +78,7 @@ class Detokenizer:
         """The text that ``token_ids`` complete; once ``finished``, all that is left."""
         if self.decode_stream is None:
             return self.decode_window(finished)
-        text = self.decode_stream.step(self.tokenizer.backend_tokenizer, token_ids)
+        text = self.decode_stream.step(self.tokenizer.backend_tokenizer, token_ids) if token_ids else None
         if text is not None:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return (text or "") + (self.decode_window(True) if finished else "")
@@ -76,8 +87,9 @@ class Detokenizer:
         ids = self.token_ids
         if self.read_offset == len(ids):
             return ""
-        prefix = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        text = self.tokenizer.decode(ids[self.prefix_offset:], skip_special_tokens=True)
+        skip = self.skip_special_tokens
+        prefix = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+        text = self.tokenizer.decode(ids[self.prefix_offset:], skip_special_tokens=skip)
         if len(text) <= len(prefix) or (text.endswith("\ufffd") and not finished):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)

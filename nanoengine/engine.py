@@ -105,8 +105,10 @@ class LLMEngine:
         if sampling_params.stop and self.tokenizer is None:  # stop strings are found in the text
             raise ValueError("stop strings need text: the engine has no tokenizer (skip_tokenizer_init=True); "
                              "use stop_token_ids")
-        for field in ("logit_bias", "stop_token_ids"):  # min_tokens masks stop tokens in the logits
-            if bad := [t for t in getattr(sampling_params, field) if not 0 <= t < self.vocab_size]:
+        if sampling_params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need the tokenizer: the engine has none (skip_tokenizer_init=True)")
+        for field in ("logit_bias", "stop_token_ids", "allowed_token_ids"):  # token ids the logits are indexed by
+            if bad := [t for t in getattr(sampling_params, field) or () if not 0 <= t < self.vocab_size]:
                 raise ValueError(f"{field} names token ids {bad[:5]} outside the model's vocabulary "
                                  f"[0, {self.vocab_size})")
         config = self.config
@@ -115,12 +117,23 @@ class LLMEngine:
                 raise ValueError(f"{field}={value} is more than max_logprobs={config.max_logprobs}")
             if value is not None and value > self.vocab_size:  # whatever max_logprobs allows: topk would fail the step
                 raise ValueError(f"{field}={value} is more than the vocabulary's {self.vocab_size} tokens")
-        stop = sampling_params.stop
-        if len(stop) > config.max_stop_strings:
-            raise ValueError(f"stop has {len(stop)} strings, more than max_stop_strings={config.max_stop_strings}")
-        if (longest := max(map(len, stop), default=0)) > config.max_stop_string_length:
-            raise ValueError(f"stop has a string of {longest} characters, more than "
-                             f"max_stop_string_length={config.max_stop_string_length}")
+        # bad_words are checked against every step's tokens as stop strings are against its text
+        for field in ("stop", "bad_words"):
+            strings = getattr(sampling_params, field)
+            if len(strings) > config.max_stop_strings:
+                raise ValueError(f"{field} has {len(strings)} strings, more than "
+                                 f"max_stop_strings={config.max_stop_strings}")
+            if (longest := max(map(len, strings), default=0)) > config.max_stop_string_length:
+                raise ValueError(f"{field} has a string of {longest} characters, more than "
+                                 f"max_stop_string_length={config.max_stop_string_length}")
+        if (allowed := sampling_params.allowed_token_ids) is not None:  # a row of -inf samples nonsense
+            params, tokenizer = sampling_params, self.input_processor
+            banned = {word[0] for word in tokenizer.bad_words_token_ids(params.bad_words) if len(word) == 1}
+            if params.min_tokens:
+                banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else self.scheduler.eos_token_ids)
+            if set(allowed) <= banned:
+                raise ValueError("allowed_token_ids leaves no token to sample: each is a one-token bad word, "
+                                 "or a stop token that min_tokens holds back")
         if sampling_params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs needs the tokenizer: the engine has none (skip_tokenizer_init=True)")
@@ -131,9 +144,13 @@ class LLMEngine:
         self.check_sampling_params(sampling_params)
         seq = Sequence(self.tokenize(prompt), sampling_params, self.model_runner.block_size)
         if self.tokenizer is not None:  # without one, outputs are token ids and their text is None
-            seq.detokenizer = Detokenizer(self.tokenizer, sampling_params.stop)
+            p = sampling_params
+            seq.detokenizer = Detokenizer(self.tokenizer, p.stop, p.include_stop_str_in_output, p.skip_special_tokens,
+                                          p.min_tokens)
         if sampling_params.structured_outputs is not None:
             seq.grammar = self.grammars.matcher(sampling_params.structured_outputs)
+        seq.bad_words_token_ids = self.input_processor.bad_words_token_ids(sampling_params.bad_words)
+        seq.allowed_token_mask = self.input_processor.allowed_token_mask(sampling_params.allowed_token_ids)
         self.scheduler.add(seq)
         self.requests[seq.seq_id] = seq
         self.counters["prompt_tokens"] += seq.num_prompt_tokens

@@ -1,11 +1,12 @@
 """Logits processors: what a request changes in its logits before the sampler picks a token.
 
-In vLLM's order (its V1 sampler's): ``logit_bias`` is added and ``min_tokens`` holds the stop
-tokens back (-inf), then the penalties: HF's repetition penalty over the prompt and the completion
-(a positive logit divided by it, a negative one multiplied), then OpenAI's presence and frequency
-penalties over the completion only, ``logit -= frequency_penalty * count + presence_penalty *
-(count > 0)``. Greedy rows take the argmax of the result; temperature, min-p, top-k and top-p
-follow in the sampler. Logprobs are read from the raw logits, which are left as they were.
+In vLLM's order (its V1 sampler's): ``logit_bias`` is added, ``min_tokens`` holds the stop tokens
+back and ``bad_words`` bans the token that would complete a bad word (-inf), then the penalties:
+HF's repetition penalty over the prompt and the completion (a positive logit divided by it, a
+negative one multiplied), then OpenAI's presence and frequency penalties over the completion only,
+``logit -= frequency_penalty * count + presence_penalty * (count > 0)``. Greedy rows take the
+argmax of the result; temperature, min-p, top-k and top-p follow in the sampler. Logprobs are read
+from the raw logits, which are left as they were.
 
 Each processor changes only a few tokens of a row (its biased tokens, its stop tokens, the tokens
 it has seen), so a step's processing is a list of (row, token id) entries flattened over the whole
@@ -13,9 +14,11 @@ batch, applied with one gather and one scatter per kind, never a pass over the v
 never a loop over rows on the device. A step in which no row uses any of them builds nothing
 (``build_logits_processors`` returns None) and skips the pass.
 
-``apply_logits_processors`` is the one seam: a grammar's bitmask of allowed tokens is one more
-kind applied there (structured_output.py), and a speculative verifier applies the same processing
-to its draft positions by building rows whose tokens include the drafts before them.
+``apply_logits_processors`` is the one seam. The one kind that is not a few entries is applied
+there last: rows restricted to some tokens (``restrict``), by a grammar (structured_output.py) or
+``allowed_token_ids`` (a mask made once per request), get -inf wherever their mask says no. And a
+speculative verifier applies the same processing to its draft positions by building rows whose
+tokens include the drafts before them.
 """
 
 import array
@@ -25,33 +28,36 @@ import torch
 
 from nanoengine.sampling_params import MAX_LOGIT, SamplingParams
 
-# Per row: its parameters, its token ids (prompt, then completion), the prompt's length, and how
-# often each token occurs in the completion (None unless a penalty is on).
-Row = tuple[SamplingParams, list[int], int, dict[int, int] | None]
+# Per row: its parameters, its token ids (prompt, then completion), the prompt's length, how
+# often each token occurs in the completion (None unless a penalty is on), and its bad words' token
+# ids (each word as the tokenizer writes it: engine.py).
+Row = tuple[SamplingParams, list[int], int, dict[int, int] | None, list[list[int]]]
 
 
 @dataclass
 class LogitsProcessors:
     """A step's processing as (rows, token ids, values) entries; a kind that no row uses is None."""
 
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # added: logit_bias, or -inf (min_tokens)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # added: logit_bias; -inf: min_tokens, bad_words
     repetition: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # each seen token's penalty
     occurrences: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # subtracted: presence and frequency
-    # Rows a grammar constrains, and their bitmasks of allowed tokens (structured_output.py).
+    # Rows restricted to some tokens, and their masks of allowed tokens [rows, vocab] (``restrict``).
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def build_logits_processors(rows: list[Row], eos_token_ids: set[int], device: torch.device,
                             allowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> LogitsProcessors | None:
-    """The entries of a batch's rows (and the grammars' ``allowed`` tokens, as
-    structured_output.allowed_tokens gives them), or None when no row asks for any processing."""
+    """The entries of a batch's rows (and its rows' ``allowed`` tokens, as ``restrict`` gives
+    them), or None when no row asks for any processing."""
     bias, repetition, counted = _Entries(), _Entries(), _Entries()
-    for row, (params, token_ids, num_prompt_tokens, counts) in enumerate(rows):
+    for row, (params, token_ids, num_prompt_tokens, counts, bad_words) in enumerate(rows):
         if params.logit_bias:
             bias.add(row, params.logit_bias.keys(), params.logit_bias.values())  # capped at MAX_LOGIT
         if len(token_ids) - num_prompt_tokens < params.min_tokens:
             held_back = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
             bias.add(row, held_back, [float("-inf")] * len(held_back))
+        if banned := _completing(bad_words, token_ids[num_prompt_tokens:]):
+            bias.add(row, banned, [float("-inf")] * len(banned))
         if params.repetition_penalty != 1:
             # A token both in the prompt and the completion is two entries; both write the same value.
             repetition.add(row, token_ids[:num_prompt_tokens] + list(counts), row_values=[params.repetition_penalty])
@@ -69,6 +75,28 @@ def build_logits_processors(rows: list[Row], eos_token_ids: set[int], device: to
         rows_, token_ids, count, presence, frequency = counted.tensors(device)
         processors.occurrences = (rows_, token_ids, frequency * count + presence * (count > 0))
     return processors
+
+
+def restrict(by_grammar: tuple[torch.Tensor, torch.Tensor] | None, masks: list[torch.Tensor | None],
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows restricted to some tokens and their masks: a grammar's (structured_output's
+    ``allowed_tokens``: rows and masks), a row's ``allowed_token_ids`` (``masks``: per row, its
+    request's mask or None), or where both apply, the tokens both allow; None when no row is."""
+    restricted = {} if by_grammar is None else dict(zip(by_grammar[0].tolist(), by_grammar[1]))
+    for row, mask in enumerate(masks):
+        if mask is not None:
+            mask = mask.to(device)
+            restricted[row] = restricted[row] & mask if row in restricted else mask
+    if not restricted:
+        return None
+    return torch.tensor(list(restricted), device=device), torch.stack(list(restricted.values()))
+
+
+def _completing(bad_words: list[list[int]], completion: list[int]) -> set[int]:
+    """The tokens that would complete a bad word next: each word's last token, where the
+    completion ends in the word's other tokens (a one-token word: always), as vLLM bans them."""
+    return {word[-1] for word in bad_words
+            if len(word) <= len(completion) + 1 and completion[len(completion) - len(word) + 1:] == word[:-1]}
 
 
 class _Entries:
@@ -124,8 +152,6 @@ def apply_logits_processors(logits: torch.Tensor, processors: LogitsProcessors |
         rows, token_ids, penalties = processors.occurrences
         logits[rows, token_ids] -= penalties
     if processors.allowed is not None:  # last: whatever the rest did, a disallowed token stays out
-        rows, bitmask = processors.allowed
-        bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device, dtype=torch.int32)) & 1
-        allowed = bits.flatten(1)[:, :logits.shape[-1]].bool()
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        rows, masks = processors.allowed
+        logits[rows] = logits[rows].masked_fill(~masks[:, :logits.shape[-1]], float("-inf"))
     return logits

@@ -131,6 +131,10 @@ class OpenAIRequest(Schema):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob and its top k
     # What the output must follow (openai_structured.py): OpenAI's response_format (on completions
     # too, as in vLLM), vLLM's structured_outputs, and its older guided_* names. One at most.
@@ -177,4 +181,7 @@ def sampling_params(req: OpenAIRequest, max_tokens: int, logprobs: int | None) -
                           stop=req.stop, stop_token_ids=req.stop_token_ids, presence_penalty=req.presence_penalty,
                           frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                           min_p=req.min_p, min_tokens=req.min_tokens,
-                          logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()})
+                          logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
+                          allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+                          include_stop_str_in_output=req.include_stop_str_in_output,
+                          skip_special_tokens=req.skip_special_tokens)

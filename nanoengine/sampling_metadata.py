@@ -13,7 +13,7 @@ from itertools import accumulate
 
 import torch
 
-from nanoengine.logits_processors import LogitsProcessors, build_logits_processors
+from nanoengine.logits_processors import LogitsProcessors, build_logits_processors, restrict
 from nanoengine.sampler import compute_logprobs
 from nanoengine.sequence import Sequence
 from nanoengine.structured_output import allowed_tokens
@@ -43,9 +43,10 @@ class SamplingMetadata:
         # A constrained sample never has drafts (the engine proposes none for it), so its grammar
         # scores its one row.
         processors = build_logits_processors(
-            [(p, tokens, seq.num_prompt_tokens, _counts(seq.output_token_counts, tokens[seq.num_tokens:]))
-             for p, (seq, _, tokens) in zip(params, rows)],
-            eos_token_ids, device, allowed_tokens([seq.grammar for seq, _, _ in rows], vocab_size, device))
+            [(p, tokens, seq.num_prompt_tokens, _counts(seq.output_token_counts, tokens[seq.num_tokens:]),
+              seq.bad_words_token_ids) for p, (seq, _, tokens) in zip(params, rows)],
+            eos_token_ids, device, restrict(allowed_tokens([seq.grammar for seq, _, _ in rows], vocab_size, device),
+                                            [seq.allowed_token_mask for seq, _, _ in rows], device))
         return cls([seq.spec_token_ids for seq, _ in samples], [p.logprobs for p in params],
                    [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
                    [p.sample_seed(i) for p, (_, i, _) in zip(params, rows)], [len(tokens) for _, _, tokens in rows],

@@ -91,6 +91,12 @@ class SamplingParams:
     tokens less likely than ``min_p`` times the most likely one (after temperature).
     ``structured_outputs`` constrains the output to a grammar (structured_output.py): a JSON schema,
     a regex, a choice or an EBNF grammar; a finished output ("stop") then always matches it.
+    ``allowed_token_ids`` keeps only those tokens; ``bad_words`` never completes one of those words
+    (each as the tokenizer writes it alone and after a space, as vLLM reads them: a word's last token
+    is banned wherever the completion ends in the tokens before it).
+
+    What the text shows, as in vLLM: ``include_stop_str_in_output`` keeps the stop string that ended
+    the text; ``skip_special_tokens=False`` writes special tokens (EOS, chat markers) into it.
     """
 
     temperature: float = 1.0
@@ -111,6 +117,10 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if not (is_number(self.temperature) and self.temperature >= 0):
@@ -159,6 +169,18 @@ class SamplingParams:
         if not all(is_int(t) and t >= 0 and is_number(b) for t, b in (self.logit_bias or {}).items()):
             raise ValueError(f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}")
         self.logit_bias = {t: min(max(b, -MAX_LOGIT), MAX_LOGIT) for t, b in (self.logit_bias or {}).items()}
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+            self.allowed_token_ids = list(ids)
+        words = [] if self.bad_words is None else self.bad_words
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise ValueError(f"bad_words must be a list of words (non-blank strings), got {self.bad_words!r}")
+        self.bad_words = list(words)
+        for field in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
 
     @property
     def penalizes(self) -> bool:

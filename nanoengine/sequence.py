@@ -51,10 +51,14 @@ class Sequence:
         self.request_id = self.seq_id  # the first sequence's id names the request
         self.sample_index = 0  # which of the request's n samples this is
         self.group: list[Sequence] = [self]
-        # Set by the engine: the completion's text, as it grows, and its stop strings; and with
-        # structured_outputs, the grammar's matcher at this sample's position (structured_output.py).
+        # Set by the engine: the completion's text, as it grows, and its stop strings; with
+        # structured_outputs, the grammar's matcher at this sample's position (structured_output.py);
+        # with bad_words, each word's token ids; with allowed_token_ids, a bool mask over the
+        # vocabulary, made once, which every step's rows share (logits_processors.py).
         self.detokenizer = None
         self.grammar = None
+        self.bad_words_token_ids: list[list[int]] = []
+        self.allowed_token_mask = None
         # Only when asked for: per generated token, {token_id: logprob}; per prompt token likewise.
         asked = sampling_params.logprobs is not None
         self.logprobs: list[dict[int, float]] | None = [] if asked else None

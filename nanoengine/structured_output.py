@@ -6,8 +6,9 @@ one and not xgrammar is measured in docs/structured-output.md). Each sample carr
 the grammar's parser at the sample's position:
 
 - before a sampling step, every constrained row's matcher writes a bitmask over the vocabulary
-  (``allowed_tokens``: bit ``j`` of 32-bit word ``i`` allows token ``32 i + j``); the sampler masks
-  every other token to -inf (logits_processors.py), so an unconstrained row costs nothing;
+  (``allowed_tokens``: bit ``j`` of 32-bit word ``i`` allows token ``32 i + j``, unpacked to a mask);
+  the sampler masks every other token to -inf (logits_processors.py), so an unconstrained row costs
+  nothing;
 - after it, ``Scheduler.postprocess`` advances the matcher by the token that landed, the one place
   every token lands; a matcher whose grammar cannot go on (a closed JSON object, a choice
   spelled out, or a stop token taken) has *stopped*, which finishes the sequence ("stop").
@@ -156,12 +157,14 @@ def _choice_grammar(choices: list[str]) -> str:
 
 
 def allowed_tokens(matchers: list, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """For the rows with a matcher: their indices and their bitmasks of allowed next tokens; None
-    when no row is constrained."""
+    """For the rows with a matcher: their indices and their masks of allowed next tokens (bool,
+    ``[rows, vocab_size]``, from llguidance's bitmasks); None when no row is constrained."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return None
     bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab_size)
     for i, row in enumerate(rows):
         llguidance.torch.fill_next_token_bitmask(matchers[row], bitmask, i)
-    return torch.tensor(rows, device=device), bitmask.to(device)
+    bitmask = bitmask.to(device)
+    bits = (bitmask[:, :, None] >> torch.arange(32, device=device, dtype=torch.int32)) & 1
+    return torch.tensor(rows, device=device), bits.flatten(1)[:, :vocab_size].bool()

@@ -30,7 +30,10 @@ def assert_still_usable(llm):
     ({"max_tokens": True}, "max_tokens"), ({"seed": "3"}, "seed"), ({"presence_penalty": "x"}, "presence_penalty"),
     ({"repetition_penalty": None}, "repetition_penalty"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
     ({"min_p": "0.1"}, "min_p"), ({"stop": 5}, "stop"), ({"stop_token_ids": 7}, "stop_token_ids"),
-    ({"logit_bias": [1]}, "logit_bias"),
+    ({"logit_bias": [1]}, "logit_bias"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [1, -1]}, "allowed_token_ids"), ({"bad_words": "word"}, "bad_words"),
+    ({"bad_words": [" "]}, "bad_words"), ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"skip_special_tokens": None}, "skip_special_tokens"), ({"ignore_eos": "no"}, "ignore_eos"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -148,6 +151,34 @@ def test_eos_finishes_with_stop_unless_ignored(tiny_models):
     assert out["finish_reason"] == "length" and len(out["token_ids"]) == 5
 
 
+def test_a_stop_tokens_text_is_left_out_unless_the_stop_is_included(llm, tokenizer):
+    """As in vLLM: a stop token (here an ordinary one, from stop_token_ids) ends the text without
+    appearing in it; include_stop_str_in_output shows it, as it shows a stop string."""
+    greedy = llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                          use_tqdm=False)[0]
+    stop_id = greedy["token_ids"][2]
+    for include in (False, True):
+        out = llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                           stop_token_ids=[stop_id], include_stop_str_in_output=include),
+                           use_tqdm=False)[0]
+        assert out["token_ids"] == greedy["token_ids"][:3] and out["finish_reason"] == "stop"
+        assert out["text"] == tokenizer.decode(out["token_ids"][:3 if include else 2], skip_special_tokens=True)
+
+
+def test_bad_words_and_allowed_token_ids_change_what_is_sampled(llm, tokenizer):
+    greedy = llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                          use_tqdm=False)[0]
+    word = tokenizer.decode(greedy["token_ids"][1:2])
+    out = llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, bad_words=[word]),
+                       use_tqdm=False)[0]
+    banned = {ids[-1] for ids in llm.input_processor.bad_words_token_ids([word]) if len(ids) == 1}
+    assert greedy["token_ids"][1] in banned and not banned & set(out["token_ids"])
+    allowed = [5, 17, 40]
+    out = llm.generate(["hello there"], SamplingParams(temperature=1.0, seed=0, max_tokens=20, ignore_eos=True,
+                                                       allowed_token_ids=allowed), use_tqdm=False)[0]
+    assert set(out["token_ids"]) <= set(allowed) and len(set(out["token_ids"])) > 1
+
+
 def test_generation_stops_at_max_model_len(llm):
     out = llm.generate([list(range(1, 61))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
                        use_tqdm=False)[0]
@@ -160,6 +191,10 @@ def test_generation_stops_at_max_model_len(llm):
     (dict(prompt_logprobs=21), "prompt_logprobs=21 is more than max_logprobs=20"),
     (dict(stop=["x"] * 33), "stop has 33 strings, more than max_stop_strings=32"),
     (dict(stop=["y" * 257]), "stop has a string of 257 characters, more than max_stop_string_length=256"),
+    (dict(allowed_token_ids=[5, 10**9]), "allowed_token_ids names token ids"),
+    (dict(bad_words=["x"] * 33), "bad_words has 33 strings, more than max_stop_strings=32"),
+    (dict(bad_words=["y" * 257]), "bad_words has a string of 257 characters, more than max_stop_string_length=256"),
+    (dict(allowed_token_ids=[2], min_tokens=2), "allowed_token_ids leaves no token to sample"),  # 2: EOS
 ])
 def test_a_request_over_a_limit_raises_naming_the_field_and_the_limit(llm, params, match):
     with pytest.raises(ValueError, match=match):

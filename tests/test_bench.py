@@ -122,8 +122,23 @@ def test_bench_structured_output_reports_both_throughputs(tiny_models, tmp_path)
     (["bench.py", "--num-seqs", "2", "--dtype", "float8"], "dtype must be"),  # the engine's ValueError
     (["bench_serving.py", "--workload", "grounded"], "only random's token-id prompts"),
     (["-m", "nanoengine.serve", "--port", "70000"], "invalid port value"),
+    (["bench.py", "--json", "no/such/directory/out.json"], "its directory does not exist"),  # before the run
+    (["bench_serving.py", "--json", "no/such/directory/out.json"], "its directory does not exist"),
+    (["example.py", "--fork"], "--fork is a --trace scene"),
+    (["example.py", "--trace"], "takes no --model"),  # --model is added below
 ])
 def test_a_bad_command_line_is_one_error_line_not_a_traceback(tiny_models, command, message):
     result = subprocess.run([sys.executable, *command, "--model", tiny_models["llama"]], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command, message", [
+    (["example.py", "--model", "no/such/model"], "model path 'no/such/model' does not exist"),
+    (["bench_serving.py", "--base-url", "http://127.0.0.1:1", "--num-seqs", "2", "--model", "llama"],
+     "could not benchmark"),
+])
+def test_a_failure_to_start_is_one_error_line_not_a_traceback(tiny_models, command, message):
+    command = [tiny_models.get(arg, arg) for arg in command]
+    result = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode in (1, 2) and message in result.stderr and "Traceback" not in result.stderr

@@ -69,8 +69,9 @@ def test_detokenizer_never_splits_a_character_or_leaks_a_stop_string(tokenizer):
     assert "".join(deltas) == text.text == "héllo 🦙 " and not any("w" in d for d in deltas)
 
 
+@pytest.mark.parametrize("include_stop", [False, True])
 @pytest.mark.parametrize("backend", ["decode_stream", "window"])
-def test_stop_string_split_across_tokens_cuts_exactly(tokenizer, backend):
+def test_stop_string_split_across_tokens_cuts_exactly(tokenizer, backend, include_stop):
     rng = random.Random(1)
     tok = tokenizer if backend == "decode_stream" else WindowOnly(tokenizer)
     for _ in range(100):
@@ -78,9 +79,33 @@ def test_stop_string_split_across_tokens_cuts_exactly(tokenizer, backend):
         start = rng.randrange(len(text) - 8)
         stop = text[start:start + rng.randint(2, 8)]
         ids = tokenizer.encode(text, add_special_tokens=False)
-        detok = Detokenizer(tok, ["never there", stop])
-        assert stream(detok, ids, rng) == text[:text.find(stop)] == detok.text
+        detok = Detokenizer(tok, ["never there", stop], include_stop=include_stop)
+        end = text.find(stop) + (len(stop) if include_stop else 0)
+        assert stream(detok, ids, rng) == text[:end] == detok.text
         assert detok.stopped
+
+
+def test_no_stop_string_ends_in_the_first_min_tokens_tokens_text(tokenizer):
+    """vLLM's rule: min_tokens holds stop strings back as it holds EOS back."""
+    ids = tokenizer.encode("one, two, three, four, two, six", add_special_tokens=False)
+    first_two = next(i for i in range(len(ids)) if tokenizer.decode(ids[:i + 1]).endswith("two"))
+    for min_tokens, expected in ((0, "one, "), (first_two, "one, "), (first_two + 1, "one, two, three, four, ")):
+        detok, out = Detokenizer(tokenizer, ["two"], min_tokens=min_tokens), []
+        for t in ids:  # one token an add, as the scheduler feeds it
+            out.append(detok.add([t], False))
+            if detok.stopped:
+                break
+        assert "".join(out) == expected == detok.text, min_tokens
+
+
+@pytest.mark.parametrize("backend", ["decode_stream", "window"])
+def test_special_tokens_are_written_when_not_skipped(tokenizer, backend):
+    rng = random.Random(2)
+    tok = tokenizer if backend == "decode_stream" else WindowOnly(tokenizer)
+    for _ in range(50):
+        ids = random_ids(tokenizer, rng) + tokenizer.all_special_ids[:1]
+        detok = Detokenizer(tok, [], skip_special_tokens=False)
+        assert stream(detok, ids, rng) == tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def test_stop_string_longer_than_text_sent_so_far_repeats_nothing(tokenizer):

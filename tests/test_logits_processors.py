@@ -8,7 +8,7 @@ from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, R
                           SequenceBiasLogitsProcessor)
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.logits_processors import apply_logits_processors, build_logits_processors
+from nanoengine.logits_processors import apply_logits_processors, build_logits_processors, restrict
 from nanoengine.sampler import Sampler
 from tests.test_sequence_groups import hf, llm  # noqa: F401  (fixtures: the tiny llama, ours and HF's)
 
@@ -32,7 +32,7 @@ def processed(logits: torch.Tensor, rows: list[tuple[SamplingParams, list[int], 
         counts = {}
         for t in completion:
             counts[t] = counts.get(t, 0) + 1
-        states.append((params, prompt + completion, len(prompt), counts if params.penalizes else None))
+        states.append((params, prompt + completion, len(prompt), counts if params.penalizes else None, []))
     return apply_logits_processors(logits, build_logits_processors(states, {EOS}, logits.device))
 
 
@@ -89,7 +89,7 @@ def test_min_tokens_holds_back_eos_only_where_it_would_stop():
 
 def test_a_batch_without_processing_builds_nothing_and_keeps_its_logits():
     logits, prompts, completions = batch()
-    states = [(SamplingParams(temperature=0.7, top_k=5), p + c, len(p), None) for p, c in zip(prompts, completions)]
+    states = [(SamplingParams(temperature=0.7, top_k=5), p + c, len(p), None, []) for p, c in zip(prompts, completions)]
     assert build_logits_processors(states, {EOS}, logits.device) is None
     assert apply_logits_processors(logits, None) is logits  # float32 already: not even a copy
 
@@ -113,7 +113,7 @@ def test_min_p_filters_only_its_rows_and_is_sampled_from():
 def test_logit_bias_is_added_before_temperature():
     logits = torch.zeros(4000, 2)
     rows = [(SamplingParams(temperature=2.0, logit_bias={1: 4.0}), [0], [])] * len(logits)
-    states = [(p, pr + c, len(pr), None) for p, pr, c in rows]
+    states = [(p, pr + c, len(pr), None, []) for p, pr, c in rows]
     n = len(logits)
     tokens = Sampler()(logits, [2.0] * n, [-1] * n, [1.0] * n, [None] * n, [0] * n,
                        processors=build_logits_processors(states, {EOS}, logits.device))
@@ -132,7 +132,7 @@ def test_a_logit_pushed_past_floats_range_stays_finite_and_wins(params, temperat
     n = 2000
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]]).repeat(n, 1)
     seen = [1, 3]  # the prompt: token 1 has a positive logit, so the penalty makes it the largest
-    states = [(params, seen, len(seen), {})] * n
+    states = [(params, seen, len(seen), {}, [])] * n
     processors = build_logits_processors(states, {EOS}, logits.device)
     assert not apply_logits_processors(logits, processors).isnan().any()
     tokens = Sampler()(logits, [temperature] * n, [-1] * n, [1.0] * n, [None] * n, [0] * n, processors=processors)
@@ -265,3 +265,33 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_anything_is_queued(
     with pytest.raises(ValueError, match=field):
         llm.generate(PROMPTS[:1], SamplingParams(min_tokens=2, **{field: ids}), use_tqdm=False)
     assert not llm.has_unfinished_requests()
+
+
+def test_bad_words_ban_the_token_that_would_complete_a_word():
+    logits, prompts, _ = batch()
+    words = [[7], [8, 9], [3, 4, 5]]  # one token; two; three
+    rows = [([], {7}), ([8], {7, 9}), ([3, 4], {7, 5}), ([4, 3, 8], {7, 9}), ([3], {7})]
+    states = [(SamplingParams(), prompts[1] + completion, len(prompts[1]), None, words) for completion, _ in rows]
+    ours = apply_logits_processors(logits[:1].repeat(len(rows), 1), build_logits_processors(states, {EOS}, logits.device))
+    for row, (_, banned) in zip(ours, rows):
+        assert set((row == float("-inf")).nonzero().flatten().tolist()) == banned
+    # the prompt does not start a word: prompt [.., 2] then 9 is no match for [2, 9]
+    state = (SamplingParams(), [1, 2], 2, None, [[2, 9]])
+    assert build_logits_processors([state], {EOS}, logits.device) is None
+
+
+def test_allowed_token_ids_keep_only_their_tokens_and_a_grammar_narrows_them():
+    logits, prompts, completions = batch()
+
+    def mask(ids):
+        m = torch.zeros(logits.shape[1], dtype=torch.bool)
+        m[ids] = True
+        return m
+    by_grammar = (torch.tensor([2]), mask([9, 10, 11])[None])  # row 2 follows a grammar too
+    allowed = restrict(by_grammar, [mask([4, 9, 400]), None, mask([9, 12])], logits.device)
+    params = [SamplingParams(), SamplingParams(), SamplingParams(logit_bias={9: -5.0, 10: 3.0})]
+    states = [(p, pr + c, len(pr), None, []) for p, pr, c in zip(params, prompts, completions)]
+    ours = apply_logits_processors(logits[:3], build_logits_processors(states, {EOS}, logits.device, allowed))
+    assert ours[0].isfinite().nonzero().flatten().tolist() == [4, 9, 400]
+    assert torch.equal(ours[0, [4, 9, 400]], logits[0, [4, 9, 400]]) and torch.equal(ours[1], logits[1])
+    assert ours[2].isfinite().nonzero().flatten().tolist() == [9] and ours[2, 9] == logits[2, 9] - 5

@@ -96,6 +96,27 @@ def test_completion_with_every_field_equals_offline(client, model_name, llm):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected["text"]
 
 
+def test_vllms_output_fields_give_what_offline_gives(client, model_name, llm):
+    """allowed_token_ids, bad_words, include_stop_str_in_output and skip_special_tokens, as vLLM's
+    extensions: the completion equals the offline engine's with the same SamplingParams."""
+    prompt = [5, 17, 17, 40, 5, 99, 300, 17]
+    plain = offline(llm, [prompt], max_tokens=8, temperature=0, ignore_eos=True)[0]["outputs"][0]
+    stop = plain["text"][len(plain["text"]) // 2:][:2]
+    cases = [dict(allowed_token_ids=[300, 17, 40, 5]), dict(bad_words=[llm.tokenizer.decode(plain["token_ids"][:1])]),
+             dict(stop=[stop], include_stop_str_in_output=True),
+             dict(skip_special_tokens=False, allowed_token_ids=[llm.tokenizer.eos_token_id])]
+    for extra in cases:
+        expected = offline(llm, [prompt], max_tokens=8, temperature=0, ignore_eos=True, **extra)[0]["outputs"][0]
+        response = client.completions.create(model=model_name, prompt=prompt, max_tokens=8, temperature=0,
+                                             stop=extra.pop("stop", None), extra_body=dict(ignore_eos=True, **extra))
+        assert response.choices[0].text == expected["text"] != plain["text"], extra  # each changed something
+    assert llm.tokenizer.eos_token in expected["text"]  # written, not skipped
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model_name, prompt=prompt, max_tokens=2,
+                                  extra_body=dict(allowed_token_ids=[10 ** 9]))
+    assert "allowed_token_ids" in info.value.body["message"]
+
+
 @pytest.mark.parametrize("path, field, value, reason", [
     ("chat/completions", "modalities", ["text", "audio"], "only text is generated"),
     ("chat/completions", "audio", {"voice": "alloy", "format": "wav"}, "only text is generated"),

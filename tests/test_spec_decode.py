@@ -107,6 +107,23 @@ def test_greedy_outputs_are_identical_with_and_without_speculation(engines, arch
     assert spec.stats()["kvcache_blocks_in_use"] == 0
 
 
+def test_bad_words_and_allowed_token_ids_judge_drafts_as_they_judge_samples(engines, tokenizer):
+    """Drafts from the unconstrained completions: the banned and disallowed ones are rejected, and
+    the outputs are those of plain decoding with the same parameters."""
+    plain, spec = engines["llama"]
+    reference = plain.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    word = tokenizer.decode(reference[0]["token_ids"][10:12])  # a word the first completion writes
+    allowed = sorted(set(reference[1]["token_ids"][:20]) | {5, 6})
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, bad_words=[word]),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, allowed_token_ids=allowed)]
+    with oracle(spec, PROMPTS[:2], reference[:2]):
+        ours = spec.generate(PROMPTS[:2], params, use_tqdm=False)
+    expected = plain.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [o["token_ids"] for o in ours] == [e["token_ids"] for e in expected]
+    assert all(e["token_ids"] != r["token_ids"] for e, r in zip(expected, reference))  # each changed the output
+    assert set(ours[1]["token_ids"]) <= set(allowed)
+
+
 @pytest.mark.parametrize("options", [dict(enable_chunked_prefill=True, max_num_batched_tokens=32),
                                      dict(num_kvcache_blocks=10)], ids=["chunked", "preempting"])
 def test_greedy_identity_holds_with_chunked_prefill_and_preemption(tiny_models, options):

@@ -127,9 +127,9 @@ class AsyncLLMEngine:
         return self.engine.tokenize(prompt)
 
     def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, **options) -> list[int]:
         """A conversation's prompt token ids (``LLMEngine.chat_prompt``). Reads the engine only."""
-        return self.engine.chat_prompt(conversation, chat_template_kwargs, tools)
+        return self.engine.chat_prompt(conversation, chat_template_kwargs, tools, **options)
 
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Compile ``params``' grammar into the engine's cache (``GrammarCompiler``, thread-safe), on

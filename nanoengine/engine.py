@@ -92,9 +92,10 @@ class LLMEngine:
         return self.input_processor.tokenize(prompt)
 
     def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None,
-                    tools: list[dict] | None = None) -> list[int]:
-        """A conversation's prompt token ids, through the tokenizer's chat template (input_processor.py)."""
-        return self.input_processor.chat_prompt(conversation, chat_template_kwargs, tools)
+                    tools: list[dict] | None = None, **options) -> list[int]:
+        """A conversation's prompt token ids, through the tokenizer's chat template (input_processor.py;
+        ``options``: ``add_generation_prompt``, ``continue_final_message``)."""
+        return self.input_processor.chat_prompt(conversation, chat_template_kwargs, tools, **options)
 
     def check_sampling_params(self, sampling_params: SamplingParams) -> None:
         """A ``ValueError`` for parameters this engine could never serve."""

@@ -90,14 +90,21 @@ class InputProcessor:
                 raise ValueError(f"prompt is not valid Unicode text: a lone surrogate at character {e.start}") from None
 
     def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
         """A conversation's prompt token ids: the tokenizer's chat template with the generation prompt.
 
         Tokenized by the template itself, which writes BOS and the like: rendering it to text and
         encoding that with special tokens would put a second BOS in front. ``chat_template_kwargs``
         are the template's own variables, as vLLM passes them (Qwen3's ``enable_thinking``);
-        ``tools`` (OpenAI's function tools) the template writes in if it knows how.
+        ``tools`` (OpenAI's function tools) the template writes in if it knows how. As in vLLM,
+        ``add_generation_prompt=False`` leaves the assistant's header out, and
+        ``continue_final_message=True`` leaves the last message open, for the model to go on with
+        (an assistant's reply begun by the caller); not both.
         """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message, add_generation_prompt starts a "
+                             "new one: set add_generation_prompt=False")
         if not isinstance(conversation, list) or not conversation or not all(isinstance(m, dict) for m in conversation):
             raise ValueError("a conversation must be a non-empty list of {'role', 'content'} dicts")
         conversation = [{**m, "content": text_of_parts(m["content"])} if isinstance(m.get("content"), list) else m
@@ -110,8 +117,9 @@ class InputProcessor:
                              "(arguments of apply_chat_template itself)")
         self.check_prompt_text(*(str(m.get("content", "")) for m in conversation))  # the template adds more
         try:
-            token_ids = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=True,
-                                                           add_generation_prompt=True, return_dict=False, **variables)
+            token_ids = self.tokenizer.apply_chat_template(
+                conversation, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, return_dict=False, **variables)
         except TemplateError as e:  # templates may reject a conversation, e.g. roles out of order
             raise ValueError(f"the chat template rejected the messages: {e}") from e
         return self.tokenize(list(token_ids))

@@ -74,17 +74,21 @@ class LLM(LLMEngine):
                             "prompt_logprobs": group[0].prompt_logprobs})
         return results
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams],
-             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[dict]:
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None) -> list[dict]:
         """``generate`` on one conversation (a list of ``{"role", "content"}``) or a list of them,
         each rendered by the tokenizer's chat template with the generation prompt (and the
-        template's variables in ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``)."""
+        template's variables in ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``;
+        vLLM's ``add_generation_prompt``, ``continue_final_message`` and ``tools``, as
+        ``LLMEngine.chat_prompt`` takes them)."""
         conversations = [messages] if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
             else messages
         if not isinstance(conversations, list) or not conversations:
             raise ValueError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
-        return self.generate([self.chat_prompt(c, chat_template_kwargs) for c in conversations], sampling_params,
-                             use_tqdm)
+        options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+        return self.generate([self.chat_prompt(c, chat_template_kwargs, tools, **options) for c in conversations],
+                             sampling_params, use_tqdm)
 
     def beam_search(self, prompts: str | dict | list[str | list[int] | dict], params: BeamSearchParams) -> list[dict]:
         """The ``beam_width`` best completions of each prompt, best first (see beam_search.py)."""

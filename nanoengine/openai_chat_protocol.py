@@ -104,6 +104,8 @@ class ChatCompletionRequest(OpenAIRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None  # with logprobs: how many top tokens' logprobs beside each sampled one
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables
+    add_generation_prompt: bool = True  # vLLM's: false leaves the assistant's header out
+    continue_final_message: bool = False  # vLLM's: the last message left open, for the model to go on with
     # Tools (tool_calls.py): none, "auto", "required" or a named function; default "auto" with tools.
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -103,12 +103,14 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         tools = ToolChoice.of(req)
         try:
-            prompt_ids = await asyncio.to_thread(tools.chat_prompt, engine, [m.for_template() for m in req.messages],
-                                                 req.chat_template_kwargs)
+            prompt_ids = await asyncio.to_thread(
+                tools.chat_prompt, engine, [m.for_template() for m in req.messages], req.chat_template_kwargs,
+                add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message)
         except BadRequest:
             raise
-        except ValueError as e:  # about the prompt the engine makes of the messages, or the template's variables
-            field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+        except ValueError as e:  # about the prompt the engine makes of the messages, or the template's options
+            field = next((f for f in ("chat_template_kwargs", "continue_final_message") if str(e).startswith(f)),
+                         "messages")
             raise BadRequest(str(e), field) from None
         # Unset means "until the context is full", as OpenAI's chat API does; with both set, the newer
         # name wins (max_tokens is deprecated), as in vLLM.

@@ -76,12 +76,12 @@ class ToolChoice:
         """A parser for one choice's text; None with "none", whose text is all content."""
         return ToolCallParser(self.parallel, content=not self.forced) if self.choice != "none" else None
 
-    def chat_prompt(self, engine: AsyncLLMEngine, conversation: list[dict],
-                    chat_template_kwargs: dict | None) -> list[int]:
+    def chat_prompt(self, engine: AsyncLLMEngine, conversation: list[dict], chat_template_kwargs: dict | None,
+                    **options) -> list[int]:
         """The prompt, the tools rendered by the chat template; with "auto", a 400 if the template
         ignores them (it renders the same prompt without them): the model could never call one."""
-        prompt = engine.chat_prompt(conversation, chat_template_kwargs, self.tools or None)
-        if self.choice == "auto" and prompt == engine.chat_prompt(conversation, chat_template_kwargs):
+        prompt = engine.chat_prompt(conversation, chat_template_kwargs, self.tools or None, **options)
+        if self.choice == "auto" and prompt == engine.chat_prompt(conversation, chat_template_kwargs, **options):
             raise BadRequest('tool_choice "auto": this model\'s chat template does not render tools, so the model '
                              'cannot know them; use "required" or a named function, whose calls a grammar writes',
                              "tool_choice")

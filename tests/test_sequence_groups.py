@@ -191,6 +191,22 @@ def test_chat_equals_generate_on_the_templates_token_ids(llm):
     assert llm.chat_prompt(conversation) == template_ids
 
 
+def test_chat_continues_a_final_message_or_leaves_the_generation_prompt_out_as_vllm_does(llm):
+    asked = [{"role": "user", "content": "Name a colour."}]
+    begun = asked + [{"role": "assistant", "content": "The colour is"}]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    for conversation, options in ((begun, dict(add_generation_prompt=False, continue_final_message=True)),
+                                  (asked, dict(add_generation_prompt=False))):
+        template_ids = llm.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False, **options)
+        assert llm.chat_prompt(conversation, **options) == template_ids
+        assert llm.chat(conversation, greedy, use_tqdm=False, **options) == llm.generate([template_ids], greedy,
+                                                                                          use_tqdm=False)
+    assert llm.tokenizer.decode(llm.chat_prompt(begun, add_generation_prompt=False, continue_final_message=True)) \
+        .endswith("The colour is")  # left open: no end-of-turn token after it
+    with pytest.raises(ValueError, match="set add_generation_prompt=False"):
+        llm.chat(begun, greedy, continue_final_message=True, use_tqdm=False)
+
+
 def test_chat_reads_openais_content_parts_as_the_server_does(llm):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Name"}, {"type": "text", "text": "a colour."}]}]
     assert llm.chat_prompt(parts) == llm.chat_prompt([{"role": "user", "content": "Name\na colour."}])

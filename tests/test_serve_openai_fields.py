@@ -117,6 +117,20 @@ def test_vllms_output_fields_give_what_offline_gives(client, model_name, llm):
     assert "allowed_token_ids" in info.value.body["message"]
 
 
+def test_chat_continues_the_final_message_as_offline_does(client, model_name, llm):
+    begun = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    options = dict(add_generation_prompt=False, continue_final_message=True)
+    response = client.chat.completions.create(model=model_name, messages=begun, max_tokens=6, temperature=0,
+                                              extra_body=options)
+    expected = llm.chat(begun, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False, **options)[0]
+    assert response.choices[0].message.content == expected["outputs"][0]["text"]
+    assert response.usage.prompt_tokens == len(llm.chat_prompt(begun, **options))
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model_name, messages=begun, max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+    assert info.value.body["param"] == "continue_final_message"
+
+
 @pytest.mark.parametrize("path, field, value, reason", [
     ("chat/completions", "modalities", ["text", "audio"], "only text is generated"),
     ("chat/completions", "audio", {"voice": "alloy", "format": "wav"}, "only text is generated"),

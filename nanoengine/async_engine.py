@@ -50,6 +50,7 @@ class RequestOutput:
     step: int  # the engine step that made it: a request's outputs of one step are one inter-token gap
     # In a sample's first output, if the request asked: per prompt token {token_id: logprob} (None first).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    stop_reason: int | str | None = None  # with "stop": the stop string or stop_token_ids id, as in vLLM
 
 
 class RequestStream:
@@ -260,6 +261,6 @@ class AsyncLLMEngine:
                     first = seq.num_completion_tokens == new
                     self._deliver(stream, RequestOutput(index, seq.token_ids[-new:], seq.detokenizer.last_deltas(new),
                                                         logprobs, seq.finish_reason, self._num_steps,
-                                                        seq.prompt_logprobs if first else None))
+                                                        seq.prompt_logprobs if first else None, seq.stop_reason))
             for request_id in {seq.request_id for seq in seqs if all(s.is_finished for s in seq.group)}:
                 self._streams.pop(request_id, None)

@@ -40,6 +40,7 @@ class Detokenizer:
         self.sent: list[str] = []  # what add has returned
         self.held = ""  # final text not returned yet: the stop-string holdback
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text
 
     @property
     def text(self) -> str:
@@ -65,9 +66,9 @@ class Detokenizer:
         matches = []
         if len(self.token_ids) > self.min_tokens:
             found = ((s, text.find(s, max(0, len(self.held) - len(s) + 1))) for s in self.stop)
-            matches = [(i, i + len(s)) for s, i in found if i >= 0]
+            matches = [(i, i + len(s), s) for s, i in found if i >= 0]
         if matches:
-            start, end = min(matches)
+            start, end, self.stop_string = min(matches)
             text, self.stopped = text[:end if self.include_stop else start], True
         end = len(text) if self.stopped or finished else max(0, len(text) - self.holdback)
         delta, self.held = text[:end], text[end:]

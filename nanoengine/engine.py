@@ -127,14 +127,13 @@ class LLMEngine:
             if (longest := max(map(len, strings), default=0)) > config.max_stop_string_length:
                 raise ValueError(f"{field} has a string of {longest} characters, more than "
                                  f"max_stop_string_length={config.max_stop_string_length}")
-        if (allowed := sampling_params.allowed_token_ids) is not None:  # a row of -inf samples nonsense
-            params, tokenizer = sampling_params, self.input_processor
-            banned = {word[0] for word in tokenizer.bad_words_token_ids(params.bad_words) if len(word) == 1}
-            if params.min_tokens:
-                banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else self.scheduler.eos_token_ids)
-            if set(allowed) <= banned:
-                raise ValueError("allowed_token_ids leaves no token to sample: each is a one-token bad word, "
-                                 "or a stop token that min_tokens holds back")
+        params = sampling_params  # a row of -inf samples nonsense: refused where it is certain from the start
+        banned = {word[0] for word in self.input_processor.bad_words_token_ids(params.bad_words) if len(word) == 1}
+        if params.min_tokens:
+            banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else self.scheduler.eos_token_ids)
+        if set(allowed) <= banned if (allowed := params.allowed_token_ids) else len(banned) >= self.vocab_size:
+            raise ValueError(f"{'allowed_token_ids' if allowed else 'stop_token_ids'} leaves no token to sample: "
+                             "each is a one-token bad word, or a stop token that min_tokens holds back")
         if sampling_params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs needs the tokenizer: the engine has none (skip_tokenizer_init=True)")

@@ -16,7 +16,7 @@ from nanoengine.sequence import Sequence
 def sample_output(seq: Sequence) -> dict:
     text = seq.detokenizer.text if seq.detokenizer is not None else None  # None: the engine has no tokenizer
     return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
-            "cumulative_logprob": seq.cumulative_logprob, "logprobs": seq.logprobs}
+            "stop_reason": seq.stop_reason, "cumulative_logprob": seq.cumulative_logprob, "logprobs": seq.logprobs}
 
 
 def _prompt_list(prompts) -> list:
@@ -50,10 +50,11 @@ class LLM(LLMEngine):
         for params in sampling_params:
             self.check_sampling_params(params)
         token_ids = [self.tokenize(p) for p in prompts]  # every prompt checked before any is queued
-        request_ids = [self.add_request(t, p) for t, p in zip(token_ids, sampling_params)]
-        groups = [self.requests[i].group for i in request_ids]
-        bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        request_ids, bar = [], tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
+            for t, p in zip(token_ids, sampling_params):
+                request_ids.append(self.add_request(t, p))
+            groups = [self.requests[i].group for i in request_ids]
             while any(not seq.is_finished for group in groups for seq in group):
                 self.step()
                 c = self.counters
@@ -64,7 +65,7 @@ class LLM(LLMEngine):
         finally:
             bar.close()
             with interrupts_deferred():
-                for request_id in request_ids:  # an interrupted generate leaves nothing queued behind
+                for request_id in request_ids:  # an interrupted or failed generate leaves nothing queued behind
                     self.abort_request(request_id)
         results = []
         for group in groups:
@@ -75,7 +76,8 @@ class LLM(LLMEngine):
         return results
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None) -> list[dict]:
         """``generate`` on one conversation (a list of ``{"role", "content"}``) or a list of them,
         each rendered by the tokenizer's chat template with the generation prompt (and the

@@ -80,16 +80,17 @@ def build_logits_processors(rows: list[Row], eos_token_ids: set[int], device: to
 def restrict(by_grammar: tuple[torch.Tensor, torch.Tensor] | None, masks: list[torch.Tensor | None],
              device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The rows restricted to some tokens and their masks: a grammar's (structured_output's
-    ``allowed_tokens``: rows and masks), a row's ``allowed_token_ids`` (``masks``: per row, its
-    request's mask or None), or where both apply, the tokens both allow; None when no row is."""
+    ``allowed_tokens``: rows and masks, on the CPU), a row's ``allowed_token_ids`` (``masks``: per
+    row, its request's mask or None), or where both apply, the tokens both allow; where they
+    allow none in common, the grammar's, which the output must follow. None when no row is."""
     restricted = {} if by_grammar is None else dict(zip(by_grammar[0].tolist(), by_grammar[1]))
     for row, mask in enumerate(masks):
         if mask is not None:
-            mask = mask.to(device)
-            restricted[row] = restricted[row] & mask if row in restricted else mask
+            both = restricted[row] & mask if row in restricted else mask
+            restricted[row] = both if both.any() else restricted[row]
     if not restricted:
         return None
-    return torch.tensor(list(restricted), device=device), torch.stack(list(restricted.values()))
+    return torch.tensor(list(restricted), device=device), torch.stack(list(restricted.values())).to(device)
 
 
 def _completing(bad_words: list[list[int]], completion: list[int]) -> set[int]:
@@ -140,7 +141,7 @@ def apply_logits_processors(logits: torch.Tensor, processors: LogitsProcessors |
     logits themselves when nothing does (the sampler's first step, the temperature, makes float32)."""
     if processors is None:
         return logits
-    logits = logits.to(torch.float32, copy=True)
+    raw, logits = logits, logits.to(torch.float32, copy=True)
     if processors.bias is not None:
         rows, token_ids, values = processors.bias
         logits.index_put_((rows, token_ids), values, accumulate=True)  # a bias and a hold-back add up
@@ -153,5 +154,11 @@ def apply_logits_processors(logits: torch.Tensor, processors: LogitsProcessors |
         logits[rows, token_ids] -= penalties
     if processors.allowed is not None:  # last: whatever the rest did, a disallowed token stays out
         rows, masks = processors.allowed
-        logits[rows] = logits[rows].masked_fill(~masks[:, :logits.shape[-1]], float("-inf"))
+        masks = masks[:, :logits.shape[-1]]
+        restricted = logits[rows].masked_fill(~masks, float("-inf"))
+        # The bans (min_tokens' hold-back, bad_words) may cover every token a row allows: such a row
+        # takes its allowed tokens as the model ranks them (the restriction wins), rather than
+        # sampling from a row of -inf, which gives nonsense, and a token its grammar refuses.
+        unbanned = raw[rows].float().masked_fill(~masks, float("-inf"))
+        logits[rows] = torch.where(restricted.isneginf().all(dim=1, keepdim=True), unbanned, restricted)
     return logits

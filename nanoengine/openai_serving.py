@@ -86,9 +86,10 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
         n, num_prompt_tokens = sum(num_tokens), sum(map(len, prompt_ids))
         return {"prompt_tokens": num_prompt_tokens, "completion_tokens": n, "total_tokens": num_prompt_tokens + n}
 
-    def choice(index: int, text: str, finish_reason: str | None, token_logprobs: list | None, offset: int) -> dict:
+    def choice(index: int, text: str, finish_reason: str | None, token_logprobs: list | None, offset: int,
+               stop_reason: int | str | None = None) -> dict:
         """A choice of a response, or of a chunk when streaming; ``offset``: where its first token's
-        text starts, the length of the choice's tokens' texts before it."""
+        text starts, the length of the choice's tokens' texts before it; ``stop_reason``: vLLM's."""
         logprobs_json = None
         if logprobs is not None and token_logprobs:
             logprobs_json = (chat_logprobs(engine.tokenizer, token_logprobs, logprobs) if chat
@@ -105,11 +106,12 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
             message = {"role": "assistant", "content": text, "refusal": None}
             message.update({"content": text or None, "tool_calls": calls} if calls else {})
             content = {"message": message} if chat else {"text": text}
-        return {"index": index, "logprobs": logprobs_json, "finish_reason": finish_reason, **content}
+        return {"index": index, "logprobs": logprobs_json, "finish_reason": finish_reason, "stop_reason": stop_reason,
+                **content}
 
     async def whole() -> dict:
         texts, token_logprobs = [[] for _ in range(num_choices)], [[] for _ in range(num_choices)]
-        finish_reasons = [None] * num_choices
+        finish_reasons, stop_reasons = [None] * num_choices, [None] * num_choices
         try:
             async for out in stream:
                 clock.output(out.step)
@@ -118,7 +120,7 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
                 out = echo(out) if echo is not None else out
                 texts[out.index].append(out.text)
                 num_tokens[out.index] += len(out.token_ids)
-                finish_reasons[out.index] = out.finish_reason
+                finish_reasons[out.index], stop_reasons[out.index] = out.finish_reason, out.stop_reason
                 token_logprobs[out.index] += out.logprobs or []
         except EngineError:
             clock.finish("error")
@@ -126,7 +128,8 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
         finally:
             stream.abort()
             clock.finish(finish_reasons[0] or "abort")  # unfinished: the client left
-        choices = [choice(i, "".join(texts[i]), finish_reasons[i], token_logprobs[i], 0) for i in range(num_choices)]
+        choices = [choice(i, "".join(texts[i]), finish_reasons[i], token_logprobs[i], 0, stop_reasons[i])
+                   for i in range(num_choices)]
         if req.prompt_logprobs is not None:  # vLLM's extension: in each choice, or in a chat response
             shaped = [vllm_prompt_logprobs(engine.tokenizer, s, prompt_logprobs) for s in scored]
             if chat:
@@ -164,7 +167,7 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
                     finish_reason = out.finish_reason
                 out = echo(out) if echo is not None else out
                 if out.text or out.finish_reason or out.logprobs:
-                    part = choice(out.index, out.text, out.finish_reason, out.logprobs, offsets[out.index])
+                    part = choice(out.index, out.text, out.finish_reason, out.logprobs, offsets[out.index], out.stop_reason)
                     if part["logprobs"] is not None and not chat:
                         offsets[out.index] += sum(map(len, part["logprobs"]["tokens"]))
                     yield event(part)

@@ -45,7 +45,7 @@ class SamplingMetadata:
         processors = build_logits_processors(
             [(p, tokens, seq.num_prompt_tokens, _counts(seq.output_token_counts, tokens[seq.num_tokens:]),
               seq.bad_words_token_ids) for p, (seq, _, tokens) in zip(params, rows)],
-            eos_token_ids, device, restrict(allowed_tokens([seq.grammar for seq, _, _ in rows], vocab_size, device),
+            eos_token_ids, device, restrict(allowed_tokens([seq.grammar for seq, _, _ in rows], vocab_size),
                                             [seq.allowed_token_mask for seq, _, _ in rows], device))
         return cls([seq.spec_token_ids for seq, _ in samples], [p.logprobs for p in params],
                    [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],

@@ -18,6 +18,20 @@ def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def is_token_id(x) -> bool:
+    """A token id: an integer >= 0, numpy's too (a bool is not one)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
+
+
+def is_text(x) -> bool:
+    """A non-empty string that UTF-8 can encode (a lone surrogate cannot: no text holds one, and the
+    tokenizer fails on it)."""
+    try:
+        return isinstance(x, str) and bool(x) and bool(x.encode())
+    except UnicodeEncodeError:
+        return False
+
+
 def is_number(x) -> bool:
     """A finite real number (numpy's too): a string, None, a bool or inf would otherwise fail later,
     or worse, sample from NaN logits."""
@@ -143,13 +157,13 @@ class SamplingParams:
                 raise ValueError(f"{field} must be None or an integer >= 0, got {value!r}")
         # One form inside the engine: a list of strings, a list of ints.
         stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(stop, (list, tuple)) or not all(map(is_text, stop)):
+            raise ValueError(f"stop must be a string or a list of non-empty strings (valid Unicode), got {self.stop!r}")
         self.stop = list(stop)
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(is_int(t) for t in ids):
-            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
-        self.stop_token_ids = list(ids)
+        if not isinstance(ids, (list, tuple)) or not all(map(is_token_id, ids)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        self.stop_token_ids = [int(t) for t in ids]
         for field in ("presence_penalty", "frequency_penalty"):
             if not (is_number(getattr(self, field)) and -2 <= getattr(self, field) <= 2):
                 raise ValueError(f"{field} must be in [-2, 2], got {getattr(self, field)!r}")
@@ -171,12 +185,13 @@ class SamplingParams:
         self.logit_bias = {t: min(max(b, -MAX_LOGIT), MAX_LOGIT) for t, b in (self.logit_bias or {}).items()}
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
-            if not isinstance(ids, (list, tuple)) or not ids or not all(is_int(t) and t >= 0 for t in ids):
+            if not isinstance(ids, (list, tuple)) or not ids or not all(map(is_token_id, ids)):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
-            self.allowed_token_ids = list(ids)
+            self.allowed_token_ids = [int(t) for t in ids]
         words = [] if self.bad_words is None else self.bad_words
-        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
-            raise ValueError(f"bad_words must be a list of words (non-blank strings), got {self.bad_words!r}")
+        if not isinstance(words, (list, tuple)) or not all(is_text(w) and w.strip() for w in words):
+            raise ValueError(f"bad_words must be a list of words (non-blank strings, valid Unicode), "
+                             f"got {self.bad_words!r}")
         self.bad_words = list(words)
         for field in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, field), bool):

@@ -218,19 +218,25 @@ class Scheduler:
         if seq.grammar is not None:  # the sampler allowed only this grammar's tokens
             accepted = seq.grammar.consume_token(token_id)
             assert accepted, "a token the grammar does not allow was sampled"
-        stop_token = (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids
+        at_length = seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        # A stop token that is also the last one allowed is a stop by length, as in vLLM (whose length
+        # check comes first), and its text is shown.
+        stop_token = not at_length and ((not params.ignore_eos and token_id in self.eos_token_ids)
+                                        or token_id in params.stop_token_ids)
         if stop_token:
             reason = "stop"
+            # vLLM's stop_reason: a stop_token_ids id, not EOS (checked first there)
+            seq.stop_reason = None if not params.ignore_eos and token_id in self.eos_token_ids else token_id
         elif seq.grammar is not None and seq.grammar.is_stopped():  # nothing may follow: the output is whole
             reason = "stop"
-        elif seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif at_length:
             reason = "length"
         if seq.detokenizer is not None:  # made by the engine; a unit test's bare sequence has none
             # a stop token's own text is left out, as in vLLM, unless the stop is to be shown
             shown = [] if stop_token and not params.include_stop_str_in_output else [token_id]
             seq.detokenizer.add(shown, finished=reason is not None)
             if seq.detokenizer.stopped:  # the text now holds a stop string, and is cut before it
-                reason = "stop"
+                reason, seq.stop_reason = "stop", seq.detokenizer.stop_string
         return reason
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -48,6 +48,7 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         self.num_new_tokens = 0  # appended by the sequence's latest step: 1, or more with drafts accepted
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # vLLM's: the stop string or stop_token_ids id that ended it
         self.request_id = self.seq_id  # the first sequence's id names the request
         self.sample_index = 0  # which of the request's n samples this is
         self.group: list[Sequence] = [self]

@@ -156,15 +156,14 @@ def _choice_grammar(choices: list[str]) -> str:
     return "start: " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
-def allowed_tokens(matchers: list, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+def allowed_tokens(matchers: list, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """For the rows with a matcher: their indices and their masks of allowed next tokens (bool,
-    ``[rows, vocab_size]``, from llguidance's bitmasks); None when no row is constrained."""
+    ``[rows, vocab_size]``, from llguidance's bitmasks, on the CPU); None when no row is constrained."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return None
     bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab_size)
     for i, row in enumerate(rows):
         llguidance.torch.fill_next_token_bitmask(matchers[row], bitmask, i)
-    bitmask = bitmask.to(device)
-    bits = (bitmask[:, :, None] >> torch.arange(32, device=device, dtype=torch.int32)) & 1
-    return torch.tensor(rows, device=device), bits.flatten(1)[:, :vocab_size].bool()
+    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return torch.tensor(rows), bits.flatten(1)[:, :vocab_size].bool()

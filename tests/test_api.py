@@ -31,8 +31,9 @@ def assert_still_usable(llm):
     ({"repetition_penalty": None}, "repetition_penalty"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
     ({"min_p": "0.1"}, "min_p"), ({"stop": 5}, "stop"), ({"stop_token_ids": 7}, "stop_token_ids"),
     ({"logit_bias": [1]}, "logit_bias"), ({"allowed_token_ids": []}, "allowed_token_ids"),
-    ({"allowed_token_ids": [1, -1]}, "allowed_token_ids"), ({"bad_words": "word"}, "bad_words"),
-    ({"bad_words": [" "]}, "bad_words"), ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"allowed_token_ids": [1, -1]}, "allowed_token_ids"), ({"stop_token_ids": [-3]}, "stop_token_ids"), ({"bad_words": "word"}, "bad_words"),
+    ({"bad_words": [" "]}, "bad_words"), ({"bad_words": ["\ud800"]}, "bad_words"), ({"stop": ["a\udfff"]}, "stop"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"skip_special_tokens": None}, "skip_special_tokens"), ({"ignore_eos": "no"}, "ignore_eos"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
@@ -163,6 +164,32 @@ def test_a_stop_tokens_text_is_left_out_unless_the_stop_is_included(llm, tokeniz
                            use_tqdm=False)[0]
         assert out["token_ids"] == greedy["token_ids"][:3] and out["finish_reason"] == "stop"
         assert out["text"] == tokenizer.decode(out["token_ids"][:3 if include else 2], skip_special_tokens=True)
+        assert out["outputs"][0]["stop_reason"] == stop_id  # vLLM's: the id that stopped it
+    stop = greedy["text"][len(greedy["text"]) // 2:][:2]
+    out = llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=["zzz", stop]),
+                       use_tqdm=False)[0]["outputs"][0]
+    assert out["finish_reason"] == "stop" and out["stop_reason"] == stop
+    assert greedy["outputs"][0]["stop_reason"] is None  # by length
+
+
+def test_a_grammar_and_bans_that_leave_no_token_fail_nothing(llm):
+    """A grammar that bad_words or allowed_token_ids leave no token (each alone is fine) once failed the
+    whole step, and every request in it; the grammar now wins, and the request beside it is untouched."""
+    pytest.importorskip("llguidance")
+    from nanoengine import StructuredOutputsParams
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate(["hello there"], greedy, use_tqdm=False)[0]["token_ids"]
+    for conflict in (dict(bad_words=["x"]), dict(allowed_token_ids=[5, 6])):
+        constrained = SamplingParams(temperature=0, max_tokens=6, structured_outputs=StructuredOutputsParams(
+            choice=["x"]), **conflict)
+        beside, out = llm.generate(["hello there", "hi"], [greedy, constrained], use_tqdm=False)
+        assert beside["token_ids"] == alone and out["text"] == "x" and out["finish_reason"] == "stop", conflict
+
+
+def test_min_tokens_holding_back_the_whole_vocabulary_is_refused(llm):
+    with pytest.raises(ValueError, match="stop_token_ids leaves no token to sample"):
+        llm.generate(["hi"], SamplingParams(stop_token_ids=list(range(llm.vocab_size)), min_tokens=2), use_tqdm=False)
+    assert_still_usable(llm)
 
 
 def test_bad_words_and_allowed_token_ids_change_what_is_sampled(llm, tokenizer):

@@ -295,3 +295,26 @@ def test_allowed_token_ids_keep_only_their_tokens_and_a_grammar_narrows_them():
     assert ours[0].isfinite().nonzero().flatten().tolist() == [4, 9, 400]
     assert torch.equal(ours[0, [4, 9, 400]], logits[0, [4, 9, 400]]) and torch.equal(ours[1], logits[1])
     assert ours[2].isfinite().nonzero().flatten().tolist() == [9] and ours[2, 9] == logits[2, 9] - 5
+
+
+def test_a_restricted_row_the_bans_would_empty_takes_its_allowed_tokens_as_ranked():
+    """min_tokens' hold-back and bad_words covering every allowed token would leave a row of -inf
+    (nonsense, or a token a grammar refuses, which fails the step): the restriction wins instead."""
+    logits, prompts, _ = batch()
+    mask = torch.zeros(logits.shape[1], dtype=torch.bool)
+    mask[[EOS, 7]] = True
+    params = SamplingParams(min_tokens=3)  # holds EOS back
+    states = [(params, prompts[0], len(prompts[0]), None, [[7]]), (params, prompts[1], len(prompts[1]), None, [])]
+    allowed = restrict(None, [mask, mask], logits.device)
+    ours = apply_logits_processors(logits[:2], build_logits_processors(states, {EOS}, logits.device, allowed))
+    assert ours[0].isfinite().nonzero().flatten().tolist() == [EOS, 7] == sorted([EOS, 7])  # both banned: both back
+    assert torch.equal(ours[0, [EOS, 7]], logits[0, [EOS, 7]])
+    assert ours[1].isfinite().nonzero().flatten().tolist() == [7]  # EOS held back, 7 left: as usual
+
+
+def test_a_grammar_wins_where_allowed_token_ids_allow_none_of_its_tokens():
+    mask = lambda ids: torch.zeros(10, dtype=torch.bool).index_fill_(0, torch.tensor(ids), True)  # noqa: E731
+    rows, masks = restrict((torch.tensor([0, 1]), torch.stack([mask([1, 2]), mask([3])])), [mask([2, 5]), mask([4])],
+                           torch.device("cpu"))
+    assert rows.tolist() == [0, 1] and masks[0].nonzero().flatten().tolist() == [2]  # in common
+    assert masks[1].nonzero().flatten().tolist() == [3]  # nothing in common: the grammar's

@@ -42,10 +42,10 @@ def expected_completion(prompt: list[int], params: SamplingParams, max_model_len
     token_ids = list(prompt)
     while True:
         token_ids.append(model(token_ids))
+        if len(token_ids) - len(prompt) >= params.max_tokens or len(token_ids) >= max_model_len:
+            return token_ids[len(prompt):], "length"  # first, as in vLLM: EOS as the last token allowed too
         if not params.ignore_eos and token_ids[-1] == EOS:
             return token_ids[len(prompt):], "stop"
-        if len(token_ids) - len(prompt) >= params.max_tokens or len(token_ids) >= max_model_len:
-            return token_ids[len(prompt):], "length"
 
 
 class FakeRunner:

@@ -110,6 +110,7 @@ def test_vllms_output_fields_give_what_offline_gives(client, model_name, llm):
         response = client.completions.create(model=model_name, prompt=prompt, max_tokens=8, temperature=0,
                                              stop=extra.pop("stop", None), extra_body=dict(ignore_eos=True, **extra))
         assert response.choices[0].text == expected["text"] != plain["text"], extra  # each changed something
+        assert response.choices[0].model_extra["stop_reason"] == expected["stop_reason"], extra
     assert llm.tokenizer.eos_token in expected["text"]  # written, not skipped
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=model_name, prompt=prompt, max_tokens=2,

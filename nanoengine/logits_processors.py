@@ -30,7 +30,7 @@ from nanoengine.sampling_params import MAX_LOGIT, SamplingParams
 
 # Per row: its parameters, its token ids (prompt, then completion), the prompt's length, how
 # often each token occurs in the completion (None unless a penalty is on), and its bad words' token
-# ids (each word as the tokenizer writes it: engine.py).
+# ids (each word as the tokenizer writes it: input_processor.py).
 Row = tuple[SamplingParams, list[int], int, dict[int, int] | None, list[list[int]]]
 
 

@@ -180,9 +180,9 @@ class SamplingParams:
                              f"{type(self.structured_outputs).__name__}")
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}")
-        if not all(is_int(t) and t >= 0 and is_number(b) for t, b in (self.logit_bias or {}).items()):
+        if not all(is_token_id(t) and is_number(b) for t, b in (self.logit_bias or {}).items()):
             raise ValueError(f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}")
-        self.logit_bias = {t: min(max(b, -MAX_LOGIT), MAX_LOGIT) for t, b in (self.logit_bias or {}).items()}
+        self.logit_bias = {int(t): min(max(b, -MAX_LOGIT), MAX_LOGIT) for t, b in (self.logit_bias or {}).items()}
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not isinstance(ids, (list, tuple)) or not ids or not all(map(is_token_id, ids)):

@@ -76,6 +76,9 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
     stream = await engine.add_requests(prompt_ids, params)
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": model_name}
+    # The reply's role: the assistant's, or, with no generation prompt, the last message's, which the
+    # model goes on with (as vLLM answers).
+    role = "assistant" if not chat or req.add_generation_prompt else req.messages[-1].role
     num_choices = len(prompt_ids) * req.n
     num_tokens = [0] * num_choices  # per choice
     scored = [None] * len(prompt_ids)  # per prompt, the engine's prompt_logprobs, if asked
@@ -103,7 +106,7 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
             content = {"delta": {"content": text} if text else {}}
             content["delta"].update({"tool_calls": calls} if calls else {})
         else:
-            message = {"role": "assistant", "content": text, "refusal": None}
+            message = {"role": role, "content": text, "refusal": None}
             message.update({"content": text or None, "tool_calls": calls} if calls else {})
             content = {"message": message} if chat else {"text": text}
         return {"index": index, "logprobs": logprobs_json, "finish_reason": finish_reason, "stop_reason": stop_reason,
@@ -155,7 +158,7 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
 
         if chat:
             for i in range(req.n):
-                yield event({"index": i, "logprobs": None, "finish_reason": None, "delta": {"role": "assistant"}})
+                yield event({"index": i, "logprobs": None, "finish_reason": None, "delta": {"role": role}})
         # Per choice, where its next token's text starts: counted by the tokens, as a whole response
         # counts, not by the text streamed so far, which lags behind them while a stop string may
         # be beginning or a character is split across tokens.
@@ -167,7 +170,8 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
                     finish_reason = out.finish_reason
                 out = echo(out) if echo is not None else out
                 if out.text or out.finish_reason or out.logprobs:
-                    part = choice(out.index, out.text, out.finish_reason, out.logprobs, offsets[out.index], out.stop_reason)
+                    part = choice(out.index, out.text, out.finish_reason, out.logprobs, offsets[out.index],
+                                  out.stop_reason)
                     if part["logprobs"] is not None and not chat:
                         offsets[out.index] += sum(map(len, part["logprobs"]["tokens"]))
                     yield event(part)

@@ -5,8 +5,8 @@ client checking a prompt against ``max_model_len`` before sending it).
 The fields are vLLM's. ``/tokenize`` takes a ``prompt`` (encoded with ``add_special_tokens``,
 default true, as the completions endpoint encodes a text prompt) or chat ``messages`` (rendered and
 tokenized by the chat template as the chat endpoint does, with ``add_generation_prompt``, default
-true) and answers ``count``, ``max_model_len``, ``tokens`` and, with ``return_token_strs``, each
-token's string in the vocabulary. A prompt longer than ``max_model_len`` is tokenized all the same:
+true, or ``continue_final_message``) and answers ``count``, ``max_model_len``, ``tokens`` and, with
+``return_token_strs``, each token's string in the vocabulary. A prompt longer than ``max_model_len`` is tokenized all the same:
 saying how long it is is the point. ``/detokenize`` takes ``tokens`` and answers the ``prompt``
 they decode to.
 """
@@ -29,6 +29,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None  # ...or a conversation
     add_special_tokens: bool = True  # text only: the chat template writes a conversation's own
     add_generation_prompt: bool = True  # messages only
+    continue_final_message: bool = False  # messages only: the last message left open, as the chat endpoint takes it
     return_token_strs: bool = False
 
 
@@ -43,10 +44,14 @@ def tokenize(engine: AsyncLLMEngine, req: TokenizeRequest) -> list[int]:
         raise BadRequest("give either prompt (a text) or messages (a conversation)", "prompt")
     if req.prompt is not None:
         return engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise BadRequest("continue_final_message continues the last message, add_generation_prompt starts a new one: "
+                         "set add_generation_prompt to false", "continue_final_message")
     conversation = [m.for_template() for m in req.messages]
     try:
         return list(engine.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False,
-                                                         add_generation_prompt=req.add_generation_prompt))
+                                                         add_generation_prompt=req.add_generation_prompt,
+                                                         continue_final_message=req.continue_final_message))
     except TemplateError as e:
         raise BadRequest(f"the chat template rejected the messages: {e}", "messages") from e
 

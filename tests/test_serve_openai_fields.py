@@ -130,6 +130,15 @@ def test_chat_continues_the_final_message_as_offline_does(client, model_name, ll
         client.chat.completions.create(model=model_name, messages=begun, max_tokens=2,
                                        extra_body={"continue_final_message": True})
     assert info.value.body["param"] == "continue_final_message"
+    # /tokenize counts what the chat endpoint sends
+    counted = httpx.post(f"{client.base_url}".removesuffix("/v1/") + "/tokenize", json={"messages": begun, **options})
+    assert counted.json()["tokens"] == llm.chat_prompt(begun, **options)
+    # with no generation prompt the reply goes on with the last message, in its role (vLLM's answer)
+    asked = begun[:1]
+    reply = client.chat.completions.create(model=model_name, messages=asked, max_tokens=2, temperature=0,
+                                           extra_body={"add_generation_prompt": False})
+    assert reply.choices[0].message.role == "user"
+    assert response.choices[0].message.role == "assistant"
 
 
 @pytest.mark.parametrize("path, field, value, reason", [

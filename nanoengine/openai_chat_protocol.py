@@ -106,6 +106,7 @@ class ChatCompletionRequest(OpenAIRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables
     add_generation_prompt: bool = True  # vLLM's: false leaves the assistant's header out
     continue_final_message: bool = False  # vLLM's: the last message left open, for the model to go on with
+    echo: bool = False  # vLLM's: the last message's text in front of the reply, where the reply is in its role
     # Tools (tool_calls.py): none, "auto", "required" or a named function; default "auto" with tools.
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -48,6 +48,9 @@ class Echo:
     that token (``drop_sample``), as vLLM does: the prefill that computes the prompt's logprobs
     samples a token from its last position anyway, so this costs no extra step, and the engine
     keeps its rule that every request samples.
+
+    Chat's ``echo`` (vLLM's) is the same with the last message's text as the prompt and no
+    logprobs for it (``num_logprobs`` None): a reply that goes on with that message then reads whole.
     """
 
     def __init__(self, tokenizer, prompts: list[Prompt], token_ids: list[list[int]], n: int,
@@ -67,7 +70,7 @@ class Echo:
         self.started.add(out.index)
         prompt = out.index // self.n
         logprobs = out.logprobs
-        if logprobs is not None:  # the token, then its num_logprobs most likely: at most num_logprobs + 1
+        if logprobs is not None and self.num_logprobs is not None:  # the token, then its num_logprobs most likely
             scored = [dict(islice(top.items(), self.num_logprobs + 1)) for top in out.prompt_logprobs[1:]]
             logprobs = [{self.first_token_ids[prompt]: None}] + scored + logprobs
         return replace(out, text=self.texts[prompt] + out.text, logprobs=logprobs)

@@ -118,8 +118,11 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
         check_context([prompt_ids], requested := getattr(req, field), field)
         max_tokens = requested if requested is not None else max(1, max_model_len - len(prompt_ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        last = req.messages[-1]  # the reply is in its role without a generation prompt, else the assistant's
+        echo = Echo(engine.tokenizer, [last.for_template()["content"]], [prompt_ids], req.n, None, drop_sample=False) \
+            if req.echo and (not req.add_generation_prompt or last.role == "assistant") else None
         return await generate(engine, model_name, request, req, [prompt_ids], max_tokens, chat=True, logprobs=logprobs, clock=clock,
-                              prompt_logprobs=req.prompt_logprobs,
+                              prompt_logprobs=req.prompt_logprobs, echo=echo,
                               structured=await structured_outputs(engine, req, tools.grammar), tools=tools)
 
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoengine", "max_model_len": max_model_len}

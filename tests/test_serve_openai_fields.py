@@ -126,6 +126,13 @@ def test_chat_continues_the_final_message_as_offline_does(client, model_name, ll
     expected = llm.chat(begun, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False, **options)[0]
     assert response.choices[0].message.content == expected["outputs"][0]["text"]
     assert response.usage.prompt_tokens == len(llm.chat_prompt(begun, **options))
+    # vLLM's echo: the begun reply in front of its continuation, whole and streamed
+    echoed = client.chat.completions.create(model=model_name, messages=begun, max_tokens=6, temperature=0,
+                                            extra_body={**options, "echo": True})
+    streamed = client.chat.completions.create(model=model_name, messages=begun, max_tokens=6, temperature=0,
+                                              stream=True, extra_body={**options, "echo": True})
+    whole = "The colour is" + expected["outputs"][0]["text"]
+    assert echoed.choices[0].message.content == whole == "".join(c.choices[0].delta.content or "" for c in streamed)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model_name, messages=begun, max_tokens=2,
                                        extra_body={"continue_final_message": True})

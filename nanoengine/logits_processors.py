@@ -56,7 +56,7 @@ def build_logits_processors(rows: list[Row], eos_token_ids: set[int], device: to
         if len(token_ids) - num_prompt_tokens < params.min_tokens:
             held_back = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
             bias.add(row, held_back, [float("-inf")] * len(held_back))
-        if banned := _completing(bad_words, token_ids[num_prompt_tokens:]):
+        if bad_words and (banned := _completing(bad_words, token_ids[num_prompt_tokens:])):
             bias.add(row, banned, [float("-inf")] * len(banned))
         if params.repetition_penalty != 1:
             # A token both in the prompt and the completion is two entries; both write the same value.

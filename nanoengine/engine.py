@@ -127,13 +127,17 @@ class LLMEngine:
             if (longest := max(map(len, strings), default=0)) > config.max_stop_string_length:
                 raise ValueError(f"{field} has a string of {longest} characters, more than "
                                  f"max_stop_string_length={config.max_stop_string_length}")
-        params = sampling_params  # a row of -inf samples nonsense: refused where it is certain from the start
-        banned = {word[0] for word in self.input_processor.bad_words_token_ids(params.bad_words) if len(word) == 1}
-        if params.min_tokens:
-            banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else self.scheduler.eos_token_ids)
-        if set(allowed) <= banned if (allowed := params.allowed_token_ids) else len(banned) >= self.vocab_size:
-            raise ValueError(f"{'allowed_token_ids' if allowed else 'stop_token_ids'} leaves no token to sample: "
-                             "each is a one-token bad word, or a stop token that min_tokens holds back")
+        # A row of -inf samples nonsense: refused where it is certain from the start (the few one-token
+        # bad words can ban all of a row's allowed tokens, never the whole vocabulary).
+        params, why = sampling_params, "each is a one-token bad word, or a stop token that min_tokens holds back"
+        banned = ((set(params.stop_token_ids) | (set() if params.ignore_eos else self.scheduler.eos_token_ids))
+                  if params.min_tokens else set())
+        if (allowed := params.allowed_token_ids) is not None:
+            banned |= {w[0] for w in self.input_processor.bad_words_token_ids(params.bad_words) if len(w) == 1}
+            if set(allowed) <= banned:
+                raise ValueError(f"allowed_token_ids leaves no token to sample: {why}")
+        elif len(banned) >= self.vocab_size:
+            raise ValueError(f"stop_token_ids leaves no token to sample: {why}")
         if sampling_params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs needs the tokenizer: the engine has none (skip_tokenizer_init=True)")

@@ -102,9 +102,7 @@ class InputProcessor:
         ``continue_final_message=True`` leaves the last message open, for the model to go on with
         (an assistant's reply begun by the caller); not both.
         """
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message continues the last message, add_generation_prompt starts a "
-                             "new one: set add_generation_prompt=False")
+        check_template_options(add_generation_prompt, continue_final_message)
         if not isinstance(conversation, list) or not conversation or not all(isinstance(m, dict) for m in conversation):
             raise ValueError("a conversation must be a non-empty list of {'role', 'content'} dicts")
         conversation = [{**m, "content": text_of_parts(m["content"])} if isinstance(m.get("content"), list) else m
@@ -123,6 +121,14 @@ class InputProcessor:
         except TemplateError as e:  # templates may reject a conversation, e.g. roles out of order
             raise ValueError(f"the chat template rejected the messages: {e}") from e
         return self.tokenize(list(token_ids))
+
+
+def check_template_options(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """A ``ValueError`` for both (vLLM refuses them too): one starts a new message, the other goes on
+    with the last."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message continues the last message, add_generation_prompt starts a new "
+                         "one: set add_generation_prompt=False")
 
 
 def text_of_parts(parts: list) -> str:

@@ -158,7 +158,9 @@ def apply_logits_processors(logits: torch.Tensor, processors: LogitsProcessors |
         restricted = logits[rows].masked_fill(~masks, float("-inf"))
         # The bans (min_tokens' hold-back, bad_words) may cover every token a row allows: such a row
         # takes its allowed tokens as the model ranks them (the restriction wins), rather than
-        # sampling from a row of -inf, which gives nonsense, and a token its grammar refuses.
-        unbanned = raw[rows].float().masked_fill(~masks, float("-inf"))
-        logits[rows] = torch.where(restricted.isneginf().all(dim=1, keepdim=True), unbanned, restricted)
+        # sampling from a row of -inf, which gives nonsense, and a token its grammar refuses. Rare,
+        # so the raw logits are read again only for such rows.
+        if (empty := restricted.isneginf().all(dim=1)).any():
+            restricted[empty] = raw[rows[empty]].float().masked_fill(~masks[empty], float("-inf"))
+        logits[rows] = restricted
     return logits

@@ -221,12 +221,11 @@ class Scheduler:
         at_length = seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
         # A stop token that is also the last one allowed is a stop by length, as in vLLM (whose length
         # check comes first), and its text is shown.
-        stop_token = not at_length and ((not params.ignore_eos and token_id in self.eos_token_ids)
-                                        or token_id in params.stop_token_ids)
+        eos = not params.ignore_eos and token_id in self.eos_token_ids
+        stop_token = not at_length and (eos or token_id in params.stop_token_ids)
         if stop_token:
             reason = "stop"
-            # vLLM's stop_reason: a stop_token_ids id, not EOS (checked first there)
-            seq.stop_reason = None if not params.ignore_eos and token_id in self.eos_token_ids else token_id
+            seq.stop_reason = None if eos else token_id  # vLLM's: a stop_token_ids id, EOS checked first there
         elif seq.grammar is not None and seq.grammar.is_stopped():  # nothing may follow: the output is whole
             reason = "stop"
         elif at_length:

@@ -6,9 +6,9 @@ The fields are vLLM's. ``/tokenize`` takes a ``prompt`` (encoded with ``add_spec
 default true, as the completions endpoint encodes a text prompt) or chat ``messages`` (rendered and
 tokenized by the chat template as the chat endpoint does, with ``add_generation_prompt``, default
 true, or ``continue_final_message``) and answers ``count``, ``max_model_len``, ``tokens`` and, with
-``return_token_strs``, each token's string in the vocabulary. A prompt longer than ``max_model_len`` is tokenized all the same:
-saying how long it is is the point. ``/detokenize`` takes ``tokens`` and answers the ``prompt``
-they decode to.
+``return_token_strs``, each token's string in the vocabulary. A prompt longer than ``max_model_len``
+is tokenized all the same: saying how long it is is the point. ``/detokenize`` takes ``tokens`` and
+answers the ``prompt`` they decode to.
 """
 
 import asyncio
@@ -18,6 +18,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict
 
 from nanoengine.async_engine import AsyncLLMEngine
+from nanoengine.input_processor import check_template_options
 from nanoengine.openai_chat_protocol import ChatMessage
 from nanoengine.openai_protocol import BadRequest
 
@@ -44,9 +45,10 @@ def tokenize(engine: AsyncLLMEngine, req: TokenizeRequest) -> list[int]:
         raise BadRequest("give either prompt (a text) or messages (a conversation)", "prompt")
     if req.prompt is not None:
         return engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    if req.continue_final_message and req.add_generation_prompt:
-        raise BadRequest("continue_final_message continues the last message, add_generation_prompt starts a new one: "
-                         "set add_generation_prompt to false", "continue_final_message")
+    try:
+        check_template_options(req.add_generation_prompt, req.continue_final_message)
+    except ValueError as e:
+        raise BadRequest(str(e), "continue_final_message") from None
     conversation = [m.for_template() for m in req.messages]
     try:
         return list(engine.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False,

@@ -138,8 +138,10 @@ def test_chat_continues_the_final_message_as_offline_does(client, model_name, ll
                                        extra_body={"continue_final_message": True})
     assert info.value.body["param"] == "continue_final_message"
     # /tokenize counts what the chat endpoint sends
-    counted = httpx.post(f"{client.base_url}".removesuffix("/v1/") + "/tokenize", json={"messages": begun, **options})
-    assert counted.json()["tokens"] == llm.chat_prompt(begun, **options)
+    tokenize = f"{client.base_url}".removesuffix("/v1/") + "/tokenize"
+    assert httpx.post(tokenize, json={"messages": begun, **options}).json()["tokens"] == llm.chat_prompt(begun, **options)
+    refused = httpx.post(tokenize, json={"messages": begun, "continue_final_message": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
     # with no generation prompt the reply goes on with the last message, in its role (vLLM's answer)
     asked = begun[:1]
     reply = client.chat.completions.create(model=model_name, messages=asked, max_tokens=2, temperature=0,

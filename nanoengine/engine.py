@@ -87,14 +87,15 @@ class LLMEngine:
         self.counters = dict.fromkeys(["prompt_tokens", "generated_tokens", "prefill_steps", "prefill_tokens",
                                        "prefill_seconds", "decode_steps", "decode_tokens", "decode_seconds"], 0)
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """A prompt's token ids, or a ``ValueError`` if the engine could never serve it (input_processor.py)."""
-        return self.input_processor.tokenize(prompt)
+    def tokenize(self, prompt: str | list[int], truncate_prompt_tokens: int | None = None) -> list[int]:
+        """A prompt's token ids (its last ``truncate_prompt_tokens``), or a ``ValueError`` if the engine
+        could never serve it (input_processor.py)."""
+        return self.input_processor.tokenize(prompt, truncate_prompt_tokens)
 
     def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None,
                     tools: list[dict] | None = None, **options) -> list[int]:
         """A conversation's prompt token ids, through the tokenizer's chat template (input_processor.py;
-        ``options``: ``add_generation_prompt``, ``continue_final_message``)."""
+        ``options``: ``add_generation_prompt``, ``continue_final_message``, ``truncate_prompt_tokens``)."""
         return self.input_processor.chat_prompt(conversation, chat_template_kwargs, tools, **options)
 
     def check_sampling_params(self, sampling_params: SamplingParams) -> None:
@@ -146,7 +147,8 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         """Queue a request; returns its id. The prompt is checked before anything is queued."""
         self.check_sampling_params(sampling_params)
-        seq = Sequence(self.tokenize(prompt), sampling_params, self.model_runner.block_size)
+        seq = Sequence(self.tokenize(prompt, sampling_params.truncate_prompt_tokens), sampling_params,
+                       self.model_runner.block_size)
         if self.tokenizer is not None:  # without one, outputs are token ids and their text is None
             p = sampling_params
             seq.detokenizer = Detokenizer(self.tokenizer, p.stop, p.include_stop_str_in_output, p.skip_special_tokens,

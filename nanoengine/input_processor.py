@@ -25,10 +25,11 @@ class InputProcessor:
         self.max_prompt_chars = (max_model_len * max(map(len, tokenizer.get_vocab()))
                                  if tokenizer is not None else None)
 
-    def tokenize(self, prompt: str | list[int] | dict) -> list[int]:
+    def tokenize(self, prompt: str | list[int] | dict, truncate_prompt_tokens: int | None = None) -> list[int]:
         """A prompt's token ids, or a ``ValueError`` if the engine could never serve it. A prompt is
         text, token ids, or either in vLLM's dict forms, ``{"prompt": text}`` and
-        ``{"prompt_token_ids": ids}``."""
+        ``{"prompt_token_ids": ids}``. ``truncate_prompt_tokens`` (``SamplingParams``'): only its
+        last tokens are kept."""
         if isinstance(prompt, dict):
             if len(prompt) != 1 or not prompt.keys() <= {"prompt", "prompt_token_ids"}:
                 raise ValueError('a prompt dict holds one key, "prompt" (text) or "prompt_token_ids", '
@@ -37,6 +38,11 @@ class InputProcessor:
         if isinstance(prompt, str) and self.tokenizer is None:
             raise ValueError("prompts must be lists of token ids: the engine has no tokenizer (skip_tokenizer_init=True)")
         if isinstance(prompt, str):
+            if truncate_prompt_tokens is not None:
+                # Its last tokens are in its end: no token is longer than the vocabulary's longest, so
+                # the last max_prompt_chars characters hold at least max_model_len tokens, and in any
+                # real text several times that, leaving the cut far from those kept.
+                prompt = prompt[-self.max_prompt_chars:]
             self.check_prompt_text(prompt)
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
@@ -50,6 +56,11 @@ class InputProcessor:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the model's vocabulary [0, {self.vocab_size})")
         if not token_ids:
             raise ValueError("prompt is empty")
+        if truncate_prompt_tokens is not None:
+            if truncate_prompt_tokens > self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens={truncate_prompt_tokens} is more than max_model_len="
+                                 f"{self.max_model_len}")
+            token_ids = token_ids[-(self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens):]
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len="
                              f"{self.max_model_len}")
@@ -91,7 +102,7 @@ class InputProcessor:
 
     def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None,
                     tools: list[dict] | None = None, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False, truncate_prompt_tokens: int | None = None) -> list[int]:
         """A conversation's prompt token ids: the tokenizer's chat template with the generation prompt.
 
         Tokenized by the template itself, which writes BOS and the like: rendering it to text and
@@ -100,7 +111,7 @@ class InputProcessor:
         ``tools`` (OpenAI's function tools) the template writes in if it knows how. As in vLLM,
         ``add_generation_prompt=False`` leaves the assistant's header out, and
         ``continue_final_message=True`` leaves the last message open, for the model to go on with
-        (an assistant's reply begun by the caller); not both.
+        (an assistant's reply begun by the caller); not both. ``truncate_prompt_tokens`` as ``tokenize``'s.
         """
         check_template_options(add_generation_prompt, continue_final_message)
         if not isinstance(conversation, list) or not conversation or not all(isinstance(m, dict) for m in conversation):
@@ -120,7 +131,7 @@ class InputProcessor:
                 continue_final_message=continue_final_message, return_dict=False, **variables)
         except TemplateError as e:  # templates may reject a conversation, e.g. roles out of order
             raise ValueError(f"the chat template rejected the messages: {e}") from e
-        return self.tokenize(list(token_ids))
+        return self.tokenize(list(token_ids), truncate_prompt_tokens)
 
 
 def check_template_options(add_generation_prompt: bool, continue_final_message: bool) -> None:

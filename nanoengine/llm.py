@@ -49,7 +49,8 @@ class LLM(LLMEngine):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
         for params in sampling_params:
             self.check_sampling_params(params)
-        token_ids = [self.tokenize(p) for p in prompts]  # every prompt checked before any is queued
+        # every prompt checked before any is queued
+        token_ids = [self.tokenize(p, sp.truncate_prompt_tokens) for p, sp in zip(prompts, sampling_params)]
         request_ids, bar = [], tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
             for t, p in zip(token_ids, sampling_params):
@@ -89,8 +90,12 @@ class LLM(LLMEngine):
         if not isinstance(conversations, list) or not conversations:
             raise ValueError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
         options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
-        return self.generate([self.chat_prompt(c, chat_template_kwargs, tools, **options) for c in conversations],
-                             sampling_params, use_tqdm)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(conversations)
+        if len(params) != len(conversations):
+            raise ValueError(f"got {len(params)} sampling_params for {len(conversations)} conversations")
+        return self.generate([self.chat_prompt(c, chat_template_kwargs, tools, **options,
+                                               truncate_prompt_tokens=getattr(p, "truncate_prompt_tokens", None))
+                              for c, p in zip(conversations, params)], sampling_params, use_tqdm)
 
     def beam_search(self, prompts: str | dict | list[str | list[int] | dict], params: BeamSearchParams) -> list[dict]:
         """The ``beam_width`` best completions of each prompt, best first (see beam_search.py)."""
@@ -112,7 +117,14 @@ class LLM(LLMEngine):
             outputs = iter(self.generate(beams, step, use_tqdm=False))
             for search, _ in live:
                 search.step([next(outputs)["outputs"][0]["logprobs"][0] for _ in search.running])
-        decode = self.tokenizer.decode if self.tokenizer is not None else lambda token_ids, **_: None
-        return [{"sequences": [{"text": decode(beam.token_ids, skip_special_tokens=True),
-                                "token_ids": beam.token_ids, "cumulative_logprob": beam.cumulative_logprob}
+
+        def text(search: BeamSearch, token_ids: list[int]) -> str | None:
+            """A beam's text: the EOS that ended it left out unless included, as a sample's stop token is."""
+            if self.tokenizer is None:  # token ids only
+                return None
+            eos = token_ids[-1:] if token_ids[-1] in search.eos_token_ids else []
+            text = self.tokenizer.decode(token_ids[:len(token_ids) - len(eos)], skip_special_tokens=True)
+            return text + self.tokenizer.decode(eos) if params.include_stop_str_in_output else text
+        return [{"sequences": [{"text": text(search, beam.token_ids), "token_ids": beam.token_ids,
+                                "cumulative_logprob": beam.cumulative_logprob}
                                for beam in search.best()]} for search in searches]

@@ -133,6 +133,8 @@ class OpenAIRequest(Schema):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # as vLLM with a fast tokenizer: special tokens as they are
+    truncate_prompt_tokens: int | None = None  # the prompt's last k tokens (-1: max_model_len)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob and its top k
@@ -184,4 +186,6 @@ def sampling_params(req: OpenAIRequest, max_tokens: int, logprobs: int | None) -
                           logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
                           allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
                           include_stop_str_in_output=req.include_stop_str_in_output,
-                          skip_special_tokens=req.skip_special_tokens)
+                          skip_special_tokens=req.skip_special_tokens,
+                          spaces_between_special_tokens=req.spaces_between_special_tokens,
+                          truncate_prompt_tokens=req.truncate_prompt_tokens)

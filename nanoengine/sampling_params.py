@@ -111,6 +111,11 @@ class SamplingParams:
 
     What the text shows, as in vLLM: ``include_stop_str_in_output`` keeps the stop string that ended
     the text; ``skip_special_tokens=False`` writes special tokens (EOS, chat markers) into it.
+    ``spaces_between_special_tokens`` is taken as vLLM takes it with a fast tokenizer, the only kind
+    this engine loads: special tokens are written as they are, without spaces, either way.
+
+    ``truncate_prompt_tokens=k`` keeps the prompt's last ``k`` tokens (``-1``: its last
+    ``max_model_len``), as vLLM does, so that a long document is cut rather than refused.
     """
 
     temperature: float = 1.0
@@ -135,6 +140,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         if not (is_number(self.temperature) and self.temperature >= 0):
@@ -193,9 +200,11 @@ class SamplingParams:
             raise ValueError(f"bad_words must be a list of words (non-blank strings, valid Unicode), "
                              f"got {self.bad_words!r}")
         self.bad_words = list(words)
-        for field in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for field in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
+        if (k := self.truncate_prompt_tokens) is not None and (not is_int(k) or not (k == -1 or k >= 1)):
+            raise ValueError(f"truncate_prompt_tokens must be None, -1 (max_model_len) or an integer >= 1, got {k!r}")
 
     @property
     def penalizes(self) -> bool:
@@ -216,12 +225,17 @@ class BeamSearchParams:
 
     A finished beam is ranked by its summed logprob over ``(generated tokens) ** length_penalty``,
     as HF transformers does: above 0 longer beams are favoured, below 0 shorter ones.
+    ``include_stop_str_in_output`` keeps the EOS that ended a beam in its text. vLLM's fields, in its
+    order; its ``temperature`` draws one more candidate per beam and step beside the most likely
+    ones, which this search does not do, so it takes only the default, 0.
     """
 
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
+    temperature: float = 0.0
     length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         if not is_int(self.beam_width) or self.beam_width < 1:
@@ -230,3 +244,9 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not is_number(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not (is_number(self.temperature) and self.temperature == 0):
+            raise ValueError(f"temperature must be 0: beams are the most likely continuations, none is sampled "
+                             f"(got {self.temperature!r})")
+        for field in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")

@@ -75,6 +75,13 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
                              f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the "
                              f"completion). Please reduce the length of the prompt or {field}.", field)
 
+    def truncation(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+        """vLLM's ``truncate_prompt_tokens``, checked before the prompt is tokenized with it."""
+        if (k := req.truncate_prompt_tokens) is not None and not (k == -1 or 1 <= k <= max_model_len):
+            raise BadRequest(f"truncate_prompt_tokens must be -1 (max_model_len) or an integer in [1, "
+                             f"max_model_len={max_model_len}], got {k}", "truncate_prompt_tokens")
+        return k
+
     # Tokenizing and templating run in a worker thread (``asyncio.to_thread``): on the event loop a
     # long prompt would hold up every stream's next token. The fast tokenizer encodes through the
     # Rust library, which releases the GIL; a template (Python) shares it at the interpreter's
@@ -83,10 +90,11 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
     async def completions(req: CompletionRequest, request: Request):
         clock = metrics.clock()
         prompts = prompt_batch(req.prompt)
-        prompt_ids = await tokenize_batch(engine, prompts)
+        prompt_ids = await tokenize_batch(engine, prompts, truncation(req))
         check_context(prompt_ids, req.max_tokens, "max_tokens")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
-        echo = Echo(engine.tokenizer, prompts, prompt_ids, req.n, req.logprobs, drop_sample=max_tokens == 0) \
+        echoed = prompts if req.truncate_prompt_tokens is None else prompt_ids  # what the model reads
+        echo = Echo(engine.tokenizer, echoed, prompt_ids, req.n, req.logprobs, drop_sample=max_tokens == 0) \
             if req.echo else None
         # Echo with logprobs scores the prompt: its tokens' logprobs, as many top ones as the sampled tokens'.
         prompt_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
@@ -105,7 +113,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
         try:
             prompt_ids = await asyncio.to_thread(
                 tools.chat_prompt, engine, [m.for_template() for m in req.messages], req.chat_template_kwargs,
-                add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message)
+                add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+                truncate_prompt_tokens=truncation(req))
         except BadRequest:
             raise
         except ValueError as e:  # about the prompt the engine makes of the messages, or the template's options

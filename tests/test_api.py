@@ -35,6 +35,9 @@ def assert_still_usable(llm):
     ({"bad_words": [" "]}, "bad_words"), ({"bad_words": ["\ud800"]}, "bad_words"), ({"stop": ["a\udfff"]}, "stop"),
     ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"skip_special_tokens": None}, "skip_special_tokens"), ({"ignore_eos": "no"}, "ignore_eos"),
+    ({"spaces_between_special_tokens": 0}, "spaces_between_special_tokens"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 2.0}, "truncate_prompt_tokens"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -222,6 +225,7 @@ def test_generation_stops_at_max_model_len(llm):
     (dict(bad_words=["x"] * 33), "bad_words has 33 strings, more than max_stop_strings=32"),
     (dict(bad_words=["y" * 257]), "bad_words has a string of 257 characters, more than max_stop_string_length=256"),
     (dict(allowed_token_ids=[2], min_tokens=2), "allowed_token_ids leaves no token to sample"),  # 2: EOS
+    (dict(truncate_prompt_tokens=65), "truncate_prompt_tokens=65 is more than max_model_len=64"),
 ])
 def test_a_request_over_a_limit_raises_naming_the_field_and_the_limit(llm, params, match):
     with pytest.raises(ValueError, match=match):
@@ -266,6 +270,37 @@ def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenizing(llm, m
     with pytest.raises(ValueError, match="max_model_len=64"):  # within the bound: tokenized, then counted
         llm.generate(["a " * (64 * longest // 2)], GREEDY, use_tqdm=False)
     assert encoded == [64 * longest]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm, tokenizer, monkeypatch):
+    """vLLM's left truncation: text, token ids and chat alike; a long document is cut, not refused."""
+    text = "alpha beta gamma delta " * 40  # more than max_model_len=64 tokens
+    kept = tokenizer.encode(text)[-10:]
+    (out,) = llm.generate([text], SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=10), use_tqdm=False)
+    assert out["prompt_token_ids"] == kept
+    assert out["token_ids"] == llm.generate([kept], GREEDY, use_tqdm=False)[0]["token_ids"]
+    (whole,) = llm.generate([list(range(1, 101))], SamplingParams(max_tokens=4, truncate_prompt_tokens=-1), use_tqdm=False)
+    assert whole["prompt_token_ids"] == list(range(37, 101)) and whole["token_ids"]  # -1: the last max_model_len
+    conversation = [{"role": "user", "content": text}]
+    (chat,) = llm.chat(conversation, SamplingParams(max_tokens=2, truncate_prompt_tokens=20), use_tqdm=False)
+    assert chat["prompt_token_ids"] == tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                                       return_dict=False)[-20:]
+    # A document of 10 MB: only as much of its end as max_model_len tokens could hold is tokenized.
+    encode, encoded = llm.tokenizer.encode, []
+    monkeypatch.setattr(llm.tokenizer, "encode",
+                        lambda text, *args, **kwargs: encoded.append(len(text)) or encode(text, *args, **kwargs))
+    document = "alpha beta gamma delta " * (10**7 // 23)
+    (long,) = llm.generate([document], SamplingParams(max_tokens=2, truncate_prompt_tokens=10), use_tqdm=False)
+    assert long["prompt_token_ids"] == kept and encoded == [64 * max(map(len, tokenizer.get_vocab()))]
+    assert_still_usable(llm)
+
+
+def test_spaces_between_special_tokens_is_taken_as_vllm_takes_it_with_a_fast_tokenizer(llm, tokenizer):
+    params = dict(temperature=0, max_tokens=4, ignore_eos=True, skip_special_tokens=False,
+                  allowed_token_ids=[tokenizer.eos_token_id, tokenizer.bos_token_id])  # special tokens only
+    texts = [llm.generate(["hello"], SamplingParams(**params, spaces_between_special_tokens=spaces), use_tqdm=False)[0]
+             for spaces in (True, False)]
+    assert texts[0]["text"] == texts[1]["text"] == tokenizer.decode(texts[0]["token_ids"])
 
 
 @pytest.mark.parametrize("text", ["bad \ud800 surrogate", "\udfff"])

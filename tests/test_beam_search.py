@@ -55,10 +55,26 @@ def test_beam_search_equals_hf(model, width, length_penalty, tiny_models, eos_on
         assert [b["token_ids"] for b in ours] == beams
         ours_scores = [b["cumulative_logprob"] / len(b["token_ids"]) ** length_penalty for b in ours]
         assert ours_scores == sorted(ours_scores, reverse=True) and ours_scores == pytest.approx(scores, abs=1e-3)
-        assert all(b["text"] == tokenizer.decode(b["token_ids"], skip_special_tokens=True) for b in ours)
+        for b in ours:  # the EOS that ended a beam is left out of its text, as a sample's stop token is
+            shown = b["token_ids"][:-1] if b["token_ids"][-1] in eos else b["token_ids"]
+            assert b["text"] == tokenizer.decode(shown, skip_special_tokens=True)
     if model == "eos_on_the_way" and length_penalty == 0:  # scored by their sums, short beams win
         assert any(len(b["token_ids"]) < MAX_TOKENS for r in results for b in r["sequences"])
     assert llm.stats()["kvcache_blocks_in_use"] == 0
+
+
+def test_include_stop_str_in_output_keeps_the_eos_that_ended_a_beam(eos_on_the_way, tokenizer):
+    path, eos = eos_on_the_way
+    llm = LLM(path, dtype="float32", device="cpu", kvcache_block_size=16, num_kvcache_blocks=128)
+    params = dict(beam_width=2, max_tokens=MAX_TOKENS, length_penalty=0.0)
+    left_out, kept = (llm.beam_search(PROMPTS[:1], BeamSearchParams(**params, include_stop_str_in_output=include))[0]
+                      for include in (False, True))
+    ended = [(a, b) for a, b in zip(left_out["sequences"], kept["sequences"]) if a["token_ids"][-1] == eos]
+    assert ended and all(a["token_ids"] == b["token_ids"] for a, b in ended)
+    assert all(b["text"] == a["text"] + tokenizer.decode([eos]) != a["text"] for a, b in ended)
+    with pytest.raises(ValueError, match="temperature must be 0"):  # vLLM's field: the default only
+        BeamSearchParams(**params, temperature=0.5)
+    assert BeamSearchParams(**params, temperature=0).temperature == 0
 
 
 def test_beams_share_the_prompts_blocks_through_the_prefix_cache(tiny_models):

@@ -118,6 +118,27 @@ def test_vllms_output_fields_give_what_offline_gives(client, model_name, llm):
     assert "allowed_token_ids" in info.value.body["message"]
 
 
+def test_truncate_prompt_tokens_cuts_a_long_prompt_as_offline_does(client, model_name, llm):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens, echoed as the model read them; a
+    value it cannot take is a 400 naming it. spaces_between_special_tokens is taken as a bool."""
+    document = "hello world " * 1000  # longer than max_model_len
+    kept = llm.tokenizer.encode(document)[-12:]
+    expected = offline(llm, [document], max_tokens=3, temperature=0, truncate_prompt_tokens=12)[0]
+    assert expected["prompt_token_ids"] == kept
+    response = client.completions.create(model=model_name, prompt=document, max_tokens=3, temperature=0, echo=True,
+                                         extra_body=dict(truncate_prompt_tokens=12, spaces_between_special_tokens=False))
+    assert response.usage.prompt_tokens == 12
+    assert response.choices[0].text == llm.tokenizer.decode(kept) + expected["text"]
+    chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": document}],
+                                          max_tokens=2, extra_body=dict(truncate_prompt_tokens=30))
+    assert chat.usage.prompt_tokens == 30
+    for value in (0, -2, 10**6):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=model_name, prompt="hi", max_tokens=2,
+                                      extra_body=dict(truncate_prompt_tokens=value))
+        assert info.value.body["param"] == "truncate_prompt_tokens", value
+
+
 def test_chat_continues_the_final_message_as_offline_does(client, model_name, llm):
     begun = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
     options = dict(add_generation_prompt=False, continue_final_message=True)

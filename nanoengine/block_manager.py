@@ -203,6 +203,16 @@ class BlockManager:
             prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
             self._register(self.blocks[seq.block_table[i]], seq.block(i), prev)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``, for benchmarks that must start
+        cold). Only while no block is in use: a running sequence's full blocks are registered too,
+        and a later prompt may be sharing them. Returns whether it was done."""
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            self._unregister(block)
+        return True
+
     # -- internals ----------------------------------------------------------------------------
 
     def _take_free_block(self) -> Block:

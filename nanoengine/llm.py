@@ -13,10 +13,28 @@ from nanoengine.sampling_params import BeamSearchParams, SamplingParams
 from nanoengine.sequence import Sequence
 
 
-def sample_output(seq: Sequence) -> dict:
+class Output(dict):
+    """A result: a dict, as nano-vllm returns, whose keys also read as attributes, as vLLM's
+    ``RequestOutput`` and ``CompletionOutput`` do, so that both ``out["text"]`` and vLLM's
+    ``out.outputs[0].text`` work. (A logprob is a float here, where vLLM's is an object.)"""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"a result has no {name!r}; it has {sorted(self)}") from None
+
+
+def sample_output(seq: Sequence) -> Output:
     text = seq.detokenizer.text if seq.detokenizer is not None else None  # None: the engine has no tokenizer
-    return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
-            "stop_reason": seq.stop_reason, "cumulative_logprob": seq.cumulative_logprob, "logprobs": seq.logprobs}
+    return Output(index=seq.sample_index, text=text, token_ids=seq.completion_token_ids,
+                  finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                  cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs)
+
+
+def prompt_text(prompt) -> str | None:
+    """vLLM's ``RequestOutput.prompt``: the prompt's text, None for one given as token ids."""
+    return prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
 
 
 def _prompt_list(prompts) -> list:
@@ -29,16 +47,26 @@ def _prompt_list(prompts) -> list:
 
 
 class LLM(LLMEngine):
+    def get_tokenizer(self):
+        """The engine's tokenizer (vLLM's accessor; None with ``skip_tokenizer_init``)."""
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so that the next prompts are computed whole (block_manager.py);
+        False, and nothing done, while requests hold KV blocks."""
+        return self.block_manager.reset_prefix_cache()
+
     def generate(self, prompts: str | dict | list[str | list[int] | dict],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
+                 use_tqdm: bool = True) -> list[Output]:
         """Complete every prompt (text, token ids, or vLLM's ``{"prompt": ...}`` and
         ``{"prompt_token_ids": ...}``; one alone or a list); results come back in the order of the
         prompts. Without ``sampling_params``, ``SamplingParams()``'s defaults.
 
         Each result holds its ``n`` samples under "outputs" and, for the first of them, "text",
-        "token_ids" and "finish_reason" at the top, as ``n=1`` always did; and the prompt's
-        "prompt_token_ids".
+        "token_ids" and "finish_reason" at the top, as ``n=1`` always did; the prompt's
+        "prompt_token_ids" and "prompt_logprobs", and vLLM's "prompt" and "finished";
+        every key also reads as an attribute (``Output``).
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None:
@@ -69,17 +97,19 @@ class LLM(LLMEngine):
                 for request_id in request_ids:  # an interrupted or failed generate leaves nothing queued behind
                     self.abort_request(request_id)
         results = []
-        for group in groups:
+        for prompt, group in zip(prompts, groups):
             outputs = [sample_output(seq) for seq in group]
-            results.append({**{k: outputs[0][k] for k in ("text", "token_ids", "finish_reason")},
-                            "outputs": outputs, "prompt_token_ids": group[0].token_ids[:group[0].num_prompt_tokens],
-                            "prompt_logprobs": group[0].prompt_logprobs})
+            first = group[0]
+            results.append(Output(**{k: outputs[0][k] for k in ("text", "token_ids", "finish_reason")},
+                                  outputs=outputs, prompt=prompt_text(prompt),
+                                  prompt_token_ids=first.token_ids[:first.num_prompt_tokens],
+                                  prompt_logprobs=first.prompt_logprobs, finished=True))
         return results
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None) -> list[dict]:
+             continue_final_message: bool = False, tools: list[dict] | None = None) -> list[Output]:
         """``generate`` on one conversation (a list of ``{"role", "content"}``) or a list of them,
         each rendered by the tokenizer's chat template with the generation prompt (and the
         template's variables in ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``;
@@ -93,11 +123,14 @@ class LLM(LLMEngine):
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(conversations)
         if len(params) != len(conversations):
             raise ValueError(f"got {len(params)} sampling_params for {len(conversations)} conversations")
-        return self.generate([self.chat_prompt(c, chat_template_kwargs, tools, **options,
-                                               truncate_prompt_tokens=getattr(p, "truncate_prompt_tokens", None))
-                              for c, p in zip(conversations, params)], sampling_params, use_tqdm)
+        results = self.generate([self.chat_prompt(c, chat_template_kwargs, tools, **options,
+                                                  truncate_prompt_tokens=getattr(p, "truncate_prompt_tokens", None))
+                                 for c, p in zip(conversations, params)], sampling_params, use_tqdm)
+        for result in results:  # vLLM's prompt of a chat: the text the template rendered
+            result["prompt"] = self.tokenizer.decode(result["prompt_token_ids"])
+        return results
 
-    def beam_search(self, prompts: str | dict | list[str | list[int] | dict], params: BeamSearchParams) -> list[dict]:
+    def beam_search(self, prompts: str | dict | list[str | list[int] | dict], params: BeamSearchParams) -> list[Output]:
         """The ``beam_width`` best completions of each prompt, best first (see beam_search.py)."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
@@ -125,6 +158,6 @@ class LLM(LLMEngine):
             eos = token_ids[-1:] if token_ids[-1] in search.eos_token_ids else []
             text = self.tokenizer.decode(token_ids[:len(token_ids) - len(eos)], skip_special_tokens=True)
             return text + self.tokenizer.decode(eos) if params.include_stop_str_in_output else text
-        return [{"sequences": [{"text": text(search, beam.token_ids), "token_ids": beam.token_ids,
-                                "cumulative_logprob": beam.cumulative_logprob}
-                               for beam in search.best()]} for search in searches]
+        return [Output(sequences=[Output(text=text(search, beam.token_ids), token_ids=beam.token_ids,
+                                         cumulative_logprob=beam.cumulative_logprob) for beam in search.best()])
+                for search in searches]

@@ -61,10 +61,49 @@ def test_prompts_come_in_vllms_forms_and_sampling_params_default_to_its_own(llm)
     assert expected[0]["prompt_token_ids"] == ids
     for prompts in ("one two", {"prompt": "one two"}, [{"prompt_token_ids": ids}], ({"prompt": "one two"},),
                     [list(np.array(ids))]):  # numpy's integers
-        assert llm.generate(prompts, GREEDY, use_tqdm=False) == expected
+        results = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [{**r, "prompt": None} for r in results] == [{**r, "prompt": None} for r in expected]  # text or ids
     assert len(llm.generate("one two", use_tqdm=False)[0]["token_ids"]) >= 1  # SamplingParams()
     with pytest.raises(ValueError, match="prompt dict"):
         llm.generate([{"text": "one two"}], GREEDY, use_tqdm=False)
+    assert_still_usable(llm)
+
+
+def test_results_read_as_vllms_request_outputs_too(llm, tokenizer):
+    """vLLM's quickstart loop, unchanged: every key of a result is also an attribute."""
+    prompts = ["one two", {"prompt_token_ids": [5, 6, 7]}]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, n=2, logprobs=1), use_tqdm=False)
+    for output, prompt in zip(outputs, ["one two", None]):
+        assert output.prompt == prompt == output["prompt"] and output.finished
+        assert output.prompt_token_ids == output["prompt_token_ids"]
+        assert [o.index for o in output.outputs] == [0, 1]
+        sample = output.outputs[0]
+        assert (sample.text, sample.token_ids, sample.finish_reason) == (output["text"], output["token_ids"],
+                                                                         output["finish_reason"])
+        assert sample.logprobs == sample["logprobs"] and sample.stop_reason is None
+    with pytest.raises(AttributeError, match="a result has no 'missing'"):
+        outputs[0].missing
+    conversation = [{"role": "user", "content": "hi"}]
+    (chat,) = llm.chat(conversation, GREEDY, use_tqdm=False)
+    assert chat.prompt == tokenizer.decode(llm.chat_prompt(conversation))  # the rendered template, as vLLM's
+    (beams,) = llm.beam_search(["one two"], BeamSearchParams(beam_width=2, max_tokens=2))
+    assert beams.sequences[0].text == beams["sequences"][0]["text"]
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_compute_whole_and_waits_for_idle(llm):
+    prompt = list(range(100, 140))  # two full blocks of 16
+    assert llm.get_tokenizer() is llm.tokenizer
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    hits = llm.stats()["prefix_cache_hit_tokens"]
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert llm.stats()["prefix_cache_hit_tokens"] == hits + 32
+    request_id = llm.add_request(prompt, GREEDY)
+    llm.step()  # it holds blocks now
+    assert llm.reset_prefix_cache() is False
+    llm.abort_request(request_id)
+    assert llm.reset_prefix_cache() is True
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert llm.stats()["prefix_cache_hit_tokens"] == hits + 32 + 32  # the aborted one's hit, none after the reset
     assert_still_usable(llm)
 
 

@@ -29,11 +29,14 @@ the budget and the free blocks allow (a draft never preempts anyone). ``postproc
 appends the tokens the rejection sampler accepted, and takes the rejected drafts' positions back.
 """
 
+import logging
 from collections import deque
 from typing import NamedTuple
 
 from nanoengine.block_manager import BlockManager
 from nanoengine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 class ScheduledStep(NamedTuple):
@@ -215,9 +218,11 @@ class Scheduler:
         seq.append_token(token_id, logprobs)
         self.num_generated_tokens += 1
         params, reason = seq.sampling_params, None
-        if seq.grammar is not None:  # the sampler allowed only this grammar's tokens
-            accepted = seq.grammar.consume_token(token_id)
-            assert accepted, "a token the grammar does not allow was sampled"
+        if seq.grammar is not None and not seq.grammar.consume_token(token_id):
+            # The sampler allowed only the grammar's tokens, so its library gave up on the grammar (a
+            # resource limit): this sample ends ("abort", the text without the token), no other does.
+            logger.warning("request %d: its grammar failed: %s", seq.request_id, seq.grammar.get_error()[:500])
+            return "abort"
         at_length = seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
         # A stop token that is also the last one allowed is a stop by length, as in vLLM (whose length
         # check comes first), and its text is shown.

@@ -83,17 +83,17 @@ class GrammarCompiler:
         # unsure how to go on could otherwise emit blanks until max_tokens.
         compact = {"whitespace_flexible": False}
         try:
-            grammar = {"json": lambda: matcher.grammar_from_json_schema(text, defaults=compact),
+            grammar = {"json": lambda: matcher.grammar_from_json_schema(closed_objects(text), defaults=compact),
                        "json_object": lambda: matcher.grammar_from_json_schema('{"type": "object"}', defaults=compact),
                        "regex": lambda: matcher.grammar_from_regex(ascii_classes(text)),
-                       "choice": lambda: matcher.grammar_from_lark(_choice_grammar(json.loads(text))),
+                       "choice": lambda: matcher.grammar_from_regex(_choice_regex(json.loads(text))),
                        "grammar": lambda: matcher.grammar_from_lark(llguidance.gbnf_to_lark.any_to_lark(text))}[kind]()
             error = matcher.validate_grammar(grammar, tokenizer)
         except Exception as e:  # all about the text: the GBNF converter raises bare Exceptions ("Rule 'x' not found")
             error = str(e)
         if error:
             raise InvalidGrammar(kind, error)
-        return matcher(tokenizer, grammar)
+        return matcher(tokenizer, grammar, log_level=0)  # a failure is logged with its request (scheduler.py)
 
     def compile(self, params: StructuredOutputsParams):
         """``params``' grammar as a matcher at its start, compiled at the first request that names
@@ -151,9 +151,45 @@ def ascii_classes(regex: str) -> str:
     return "".join(out)
 
 
-def _choice_grammar(choices: list[str]) -> str:
-    """A Lark grammar whose only sentences are ``choices`` (its string literals escape as JSON's)."""
-    return "start: " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+def _choice_regex(choices: list[str]) -> str:
+    """A regex whose only matches are ``choices``. One regex is one lexeme, a state machine however
+    many choices there are; as a grammar's alternatives (``start: "a" | "b" | ...``) each choice is
+    an item of the parser's row, and past 2,000 of them llguidance gave up mid-answer."""
+    return "(" + "|".join("".join("\\" + c if c in _REGEX_META else c for c in choice) for choice in choices) + ")"
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")  # what Rust's regex syntax (llguidance's) lets a backslash escape
+
+
+def closed_objects(schema_text: str) -> str:
+    """The JSON schema with ``"additionalProperties": false`` on each object schema that lists its
+    properties and says nothing of others, as vLLM's default backend (xgrammar, in strict mode)
+    reads a schema and as OpenAI's strict mode requires: a client that calls ``f(**arguments)`` gets
+    the arguments it declared, not more. A schema that allows others says so."""
+    def close(node):
+        if isinstance(node, list):
+            return [close(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        node = {key: close_map(value) if key in _SCHEMA_MAPS else close(value) if key in _SCHEMAS else value
+                for key, value in node.items()}
+        if node.get("properties") and isinstance(node["properties"], dict) and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+        return node
+
+    def close_map(mapping):  # name -> schema: the names are not schemas
+        return {name: close(value) for name, value in mapping.items()} if isinstance(mapping, dict) else mapping
+    try:
+        return json.dumps(close(json.loads(schema_text)))
+    except ValueError:  # not JSON: llguidance says what is wrong with it
+        return schema_text
+
+
+# Where a JSON schema holds the schemas of a value's parts or alternatives: under these keywords,
+# and in the values of these maps. Not under allOf, not, if/then/else: there a subschema is one
+# condition among others, and closing it would refuse properties another one declares.
+_SCHEMAS = {"items", "prefixItems", "additionalItems", "additionalProperties", "anyOf", "oneOf"}
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions"}
 
 
 def allowed_tokens(matchers: list, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from nanoengine.async_engine import AsyncLLMEngine
 from nanoengine.openai_chat_protocol import ChatCompletionRequest
 from nanoengine.openai_protocol import BadRequest
+from nanoengine.structured_output import closed_objects
 from nanoengine.tool_parser import END, START, ToolCallParser
 
 
@@ -29,14 +30,15 @@ def tool_call_grammar(tools: list[dict], parallel: bool) -> str:
     (``parallel``) a line apart, in Hermes's format, of one of ``tools`` (OpenAI's function tools).
 
     A function without ``parameters`` takes none, as in OpenAI's API: its arguments are ``{}``. The
-    arguments are compact JSON, as is all JSON the engine constrains (structured_output.py).
+    arguments are compact JSON, as is all JSON the engine constrains, with no property the schema
+    does not declare unless it allows them (structured_output.py's ``closed_objects``).
     """
     tail = json.dumps("}\n" + END)  # Lark's string literals escape as JSON's
 
     def call(function: dict) -> str:
         head = json.dumps(f'{START}\n{{"name": {json.dumps(function["name"])}, "arguments": ')
         schema = function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
-        schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+        schema = {**json.loads(closed_objects(json.dumps(schema))), "x-guidance": {"whitespace_flexible": False}}
         return f"{head} %json {json.dumps(schema)} {tail}"
     repeat = ' ("\\n" call)*' if parallel else ""
     return f"start: call{repeat}\ncall: " + " | ".join(call(tool["function"]) for tool in tools)

@@ -53,9 +53,9 @@ def _calls_in(block: str) -> list[tuple[str, str]] | None:
 class ToolCallParser:
     """Splits one choice's text, fed in pieces as it is generated, into content and tool calls.
 
-    ``feed`` returns what a piece adds: content text, and OpenAI's streamed tool-call deltas (a
-    call's first with its ``index``, ``id``, ``type``, ``function.name`` and ``arguments: ""``, then
-    fragments of its arguments, given out as they arrive). ``calls`` holds every call so far, whole.
+    ``feed`` returns what a piece adds: content text, and OpenAI's streamed tool-call deltas, one
+    a call (its first with its ``index``, ``id``, ``type``, ``function.name`` and the arguments
+    that came with it, then fragments of its arguments, given out as they arrive). ``calls`` holds every call so far, whole.
     Fed all at once (a response) or token by token (a stream), a text gives the same calls and
     content, since nothing is decided before the text that decides it has arrived: text that could
     still begin a tag is held back, and so are blanks until content follows them (the blanks around
@@ -167,4 +167,8 @@ class ToolCallParser:
     def _arguments_delta(self, text: str, deltas: list[dict]) -> None:
         if text and not self.dropping:
             self.calls[-1]["function"]["arguments"] += text
-            deltas.append({"index": len(self.calls) - 1, "function": {"arguments": text}})
+            index = len(self.calls) - 1
+            if deltas and deltas[-1]["index"] == index:  # one entry a call in a chunk, as OpenAI streams them
+                deltas[-1]["function"]["arguments"] += text
+            else:
+                deltas.append({"index": index, "function": {"arguments": text}})

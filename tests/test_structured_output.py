@@ -163,3 +163,42 @@ def test_a_grammar_the_library_refuses_is_a_value_error_before_anything_is_queue
         llm.generate(["first", "second"], [good, bad], use_tqdm=False)
     assert not llm.has_unfinished_requests()
     assert len(llm.generate(["still usable"], good, use_tqdm=False)[0]["token_ids"]) == 4
+
+
+def test_thousands_of_choices_are_served(llm):
+    """A choice is one regex, a state machine, so its size does not meet the parser's limits (as
+    alternatives of a grammar, 2,000 of them failed mid-answer)."""
+    choices = [f"option {i}" for i in range(5000)]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, structured_outputs=StructuredOutputsParams(
+        choice=choices + ["a.b|c (d)"]))  # metacharacters are literal
+    for output in finished(llm.generate(["Pick:"] * 4, params, use_tqdm=False)):
+        assert output["text"] in choices + ["a.b|c (d)"]
+
+
+def test_a_grammar_the_library_gives_up_on_mid_answer_ends_only_its_own_request(llm, caplog):
+    """3,000 alternatives of a grammar overflow a row of the parser at the second token: that
+    sample ends ("abort"), and the request beside it in the step runs on untouched."""
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(["The weather today"], greedy, use_tqdm=False)[0]["token_ids"]
+    huge = StructuredOutputsParams(grammar="root ::= " + " | ".join(f'"w{i}"' for i in range(3000)))
+    failing, free = llm.generate(["Pick:", "The weather today"], [SamplingParams(max_tokens=8, structured_outputs=huge),
+                                                                  greedy], use_tqdm=False)
+    assert failing["finish_reason"] == "abort" and free["token_ids"] == alone
+    assert "its grammar failed" in caplog.text and "3001 items" in caplog.text
+    assert not llm.has_unfinished_requests() and llm.stats()["kvcache_blocks_in_use"] == 0
+
+
+def test_an_object_takes_only_its_declared_properties_unless_its_schema_allows_others(llm):
+    """vLLM's default backend reads a schema strictly, as OpenAI's strict mode does: a client that
+    calls f(**arguments) gets the arguments it declared. A schema that allows others keeps them."""
+    closed = {"type": "object", "properties": {"a": {"type": "integer"}, "inner": {
+        "type": "object", "properties": {"b": {"type": "integer"}}}}}
+    extra_at_top, extra_inside = '{"a":1,"z":2}', '{"a":1,"inner":{"b":2,"z":3}}'
+    accepted = {}
+    for name, schema in (("closed", closed), ("open", {**closed, "additionalProperties": True})):
+        matcher = llm.grammars.matcher(StructuredOutputsParams(json=schema))
+        for text in (extra_at_top, extra_inside, '{"a":1,"inner":{"b":2}}'):
+            tokens = llm.tokenizer.encode(text, add_special_tokens=False)
+            accepted[name, text] = matcher.validate_tokens(tokens) == len(tokens)
+    assert not accepted["closed", extra_at_top] and not accepted["closed", extra_inside]
+    assert accepted["open", extra_at_top] and accepted["closed", '{"a":1,"inner":{"b":2}}']

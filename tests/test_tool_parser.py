@@ -39,11 +39,13 @@ def parse(text: str, cuts: list[int], parallel: bool = True) -> tuple[str, list[
     for k, piece in enumerate(pieces):
         new_content, deltas = parser.feed(piece, final=k == len(pieces) - 1)
         content += new_content
+        indices = [delta["index"] for delta in deltas]
+        assert len(set(indices)) == len(indices)  # one entry a call in a chunk, as OpenAI streams them
         for delta in deltas:
-            if delta["index"] not in calls:  # a call's first delta: everything but its arguments
-                assert set(delta) == {"index", "id", "type", "function"} and delta["function"]["arguments"] == ""
+            if delta["index"] not in calls:  # a call's first delta: its id and name, and the arguments so far
+                assert set(delta) == {"index", "id", "type", "function"}
                 assert delta["id"].startswith("call_") and delta["type"] == "function"
-                calls[delta["index"]] = [delta["function"]["name"], ""]
+                calls[delta["index"]] = [delta["function"]["name"], delta["function"]["arguments"]]
             else:
                 assert set(delta) == {"index", "function"} and set(delta["function"]) == {"arguments"}
                 calls[delta["index"]][1] += delta["function"]["arguments"]
@@ -66,7 +68,7 @@ def test_calls_and_content_are_the_same_whole_and_in_any_pieces(name):
 def test_the_arguments_stream_as_they_come_and_are_json():
     parser = ToolCallParser()
     _, first = parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {"ci')
-    assert [d["function"] for d in first] == [{"name": "get_weather", "arguments": ""}, {"arguments": '{"ci'}]
+    assert [d["function"] for d in first] == [{"name": "get_weather", "arguments": '{"ci'}]  # one entry a call
     _, second = parser.feed('ty": "Oslo"}}\n</tool_call>', final=True)
     assert second == [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]
     assert json.loads(parser.calls[0]["function"]["arguments"]) == {"city": "Oslo"}

@@ -123,9 +123,10 @@ class AsyncLLMEngine:
 
     # -- the callers' side (event loop thread) ----------------------------------------------
 
-    def tokenize(self, prompt: str | list[int], truncate_prompt_tokens: int | None = None) -> list[int]:
+    def tokenize(self, prompt: str | list[int], truncate_prompt_tokens: int | None = None,
+                 add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids; a ``ValueError`` if it is empty or too long. Reads the engine only."""
-        return self.engine.tokenize(prompt, truncate_prompt_tokens)
+        return self.engine.tokenize(prompt, truncate_prompt_tokens, add_special_tokens)
 
     def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None,
                     tools: list[dict] | None = None, **options) -> list[int]:

@@ -87,15 +87,17 @@ class LLMEngine:
         self.counters = dict.fromkeys(["prompt_tokens", "generated_tokens", "prefill_steps", "prefill_tokens",
                                        "prefill_seconds", "decode_steps", "decode_tokens", "decode_seconds"], 0)
 
-    def tokenize(self, prompt: str | list[int], truncate_prompt_tokens: int | None = None) -> list[int]:
+    def tokenize(self, prompt: str | list[int], truncate_prompt_tokens: int | None = None,
+                 add_special_tokens: bool = True) -> list[int]:
         """A prompt's token ids (its last ``truncate_prompt_tokens``), or a ``ValueError`` if the engine
         could never serve it (input_processor.py)."""
-        return self.input_processor.tokenize(prompt, truncate_prompt_tokens)
+        return self.input_processor.tokenize(prompt, truncate_prompt_tokens, add_special_tokens)
 
     def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None,
                     tools: list[dict] | None = None, **options) -> list[int]:
         """A conversation's prompt token ids, through the tokenizer's chat template (input_processor.py;
-        ``options``: ``add_generation_prompt``, ``continue_final_message``, ``truncate_prompt_tokens``)."""
+        ``options``: ``add_generation_prompt``, ``continue_final_message``, ``truncate_prompt_tokens``,
+        ``documents``)."""
         return self.input_processor.chat_prompt(conversation, chat_template_kwargs, tools, **options)
 
     def check_sampling_params(self, sampling_params: SamplingParams) -> None:

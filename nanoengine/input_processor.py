@@ -25,11 +25,12 @@ class InputProcessor:
         self.max_prompt_chars = (max_model_len * max(map(len, tokenizer.get_vocab()))
                                  if tokenizer is not None else None)
 
-    def tokenize(self, prompt: str | list[int] | dict, truncate_prompt_tokens: int | None = None) -> list[int]:
+    def tokenize(self, prompt: str | list[int] | dict, truncate_prompt_tokens: int | None = None,
+                 add_special_tokens: bool = True) -> list[int]:
         """A prompt's token ids, or a ``ValueError`` if the engine could never serve it. A prompt is
         text, token ids, or either in vLLM's dict forms, ``{"prompt": text}`` and
         ``{"prompt_token_ids": ids}``. ``truncate_prompt_tokens`` (``SamplingParams``'): only its
-        last tokens are kept."""
+        last tokens are kept. ``add_special_tokens``: a text's, as the tokenizer adds them (BOS)."""
         if isinstance(prompt, dict):
             if len(prompt) != 1 or not prompt.keys() <= {"prompt", "prompt_token_ids"}:
                 raise ValueError('a prompt dict holds one key, "prompt" (text) or "prompt_token_ids", '
@@ -44,7 +45,7 @@ class InputProcessor:
                 # real text several times that, leaving the cut far from those kept.
                 prompt = prompt[-self.max_prompt_chars:]
             self.check_prompt_text(prompt)
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
                                                       for t in prompt):
             token_ids = [int(t) for t in prompt]  # numpy's integers too, as ints
@@ -88,10 +89,10 @@ class InputProcessor:
         mask[token_ids] = True
         return mask
 
-    def check_prompt_text(self, *texts: str) -> None:
+    def check_prompt_text(self, *texts: str, bounded: bool = True) -> None:
         """A ``ValueError`` for prompt text the tokenizer must not see: more characters than
-        ``max_model_len`` tokens can hold, or a lone surrogate (which no UTF-8 encodes)."""
-        if (num_chars := sum(map(len, texts))) > self.max_prompt_chars:
+        ``max_model_len`` tokens can hold (if ``bounded``), or a lone surrogate (which no UTF-8 encodes)."""
+        if bounded and (num_chars := sum(map(len, texts))) > self.max_prompt_chars:
             raise ValueError(f"prompt has {num_chars} characters, more than max_model_len={self.max_model_len} "
                              f"tokens could hold ({self.max_prompt_chars} characters)")
         for text in texts:
@@ -102,7 +103,8 @@ class InputProcessor:
 
     def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None,
                     tools: list[dict] | None = None, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, truncate_prompt_tokens: int | None = None) -> list[int]:
+                    continue_final_message: bool = False, truncate_prompt_tokens: int | None = None,
+                    documents: list[dict] | None = None) -> list[int]:
         """A conversation's prompt token ids: the tokenizer's chat template with the generation prompt.
 
         Tokenized by the template itself, which writes BOS and the like: rendering it to text and
@@ -111,7 +113,8 @@ class InputProcessor:
         ``tools`` (OpenAI's function tools) the template writes in if it knows how. As in vLLM,
         ``add_generation_prompt=False`` leaves the assistant's header out, and
         ``continue_final_message=True`` leaves the last message open, for the model to go on with
-        (an assistant's reply begun by the caller); not both. ``truncate_prompt_tokens`` as ``tokenize``'s.
+        (an assistant's reply begun by the caller); not both. ``truncate_prompt_tokens`` as ``tokenize``'s;
+        ``documents`` (vLLM's) for a template that reads them, as ``tools``.
         """
         check_template_options(add_generation_prompt, continue_final_message)
         if not isinstance(conversation, list) or not conversation or not all(isinstance(m, dict) for m in conversation):
@@ -124,10 +127,12 @@ class InputProcessor:
         if taken := sorted(variables.keys() & inspect.signature(self.tokenizer.apply_chat_template).parameters.keys()):
             raise ValueError(f"chat_template_kwargs may set only the template's variables, not {taken} "
                              "(arguments of apply_chat_template itself)")
-        self.check_prompt_text(*(str(m.get("content", "")) for m in conversation))  # the template adds more
+        # The template adds more. Cut from its end, a conversation is bounded by the request alone.
+        self.check_prompt_text(*(str(m.get("content", "")) for m in conversation),
+                               bounded=truncate_prompt_tokens is None)
         try:
             token_ids = self.tokenizer.apply_chat_template(
-                conversation, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt,
+                conversation, tools=tools, documents=documents, tokenize=True, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, return_dict=False, **variables)
         except TemplateError as e:  # templates may reject a conversation, e.g. roles out of order
             raise ValueError(f"the chat template rejected the messages: {e}") from e

@@ -17,6 +17,7 @@ from nanoengine.openai_protocol import OpenAIRequest, Schema, no_op
 class TextPart(Schema):
     type: Literal["text"]
     text: str
+    cache_control: dict | None = None  # IGNORED
 
 
 def _json_text(text: str) -> str:
@@ -50,6 +51,10 @@ class ChatMessage(Schema):
     function_call: Annotated[dict | None, no_op(None, why="functions are deprecated: use tools")] = None
     audio: Annotated[dict | None, no_op(None, why="only text is generated")] = None
     annotations: list | None = None  # IGNORED
+    cache_control: dict | None = None  # IGNORED
+    # An earlier reply's reasoning, sent back with it (vLLM's names): for templates that read it (Qwen3's)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="after")
     def fields_of_its_role(self):
@@ -74,6 +79,8 @@ class ChatMessage(Schema):
                 for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if (reasoning := self.reasoning_content or self.reasoning) is not None:
+            message["reasoning_content"] = reasoning
         return message
 
 
@@ -87,6 +94,7 @@ class FunctionDefinition(Schema):
 class Tool(Schema):
     type: Literal["function"]
     function: FunctionDefinition
+    cache_control: dict | None = None  # IGNORED
 
 
 class FunctionName(Schema):
@@ -104,6 +112,9 @@ class ChatCompletionRequest(OpenAIRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None  # with logprobs: how many top tokens' logprobs beside each sampled one
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables
+    documents: list[dict[str, str]] | None = None  # vLLM's: for a template that reads them (retrieval)
+    chat_template: Annotated[str | None, no_op(None, why="the model's chat template is the one run")] = None
+    add_special_tokens: Annotated[bool, no_op(False, why="the chat template writes the special tokens")] = False
     add_generation_prompt: bool = True  # vLLM's: false leaves the assistant's header out
     continue_final_message: bool = False  # vLLM's: the last message left open, for the model to go on with
     echo: bool = False  # vLLM's: the last message's text in front of the reply, where the reply is in its role

@@ -28,14 +28,14 @@ def prompt_batch(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
     return prompt
 
 
-async def tokenize_batch(engine: AsyncLLMEngine, prompts: list[Prompt],
-                         truncate_prompt_tokens: int | None = None) -> list[list[int]]:
+async def tokenize_batch(engine: AsyncLLMEngine, prompts: list[Prompt], truncate_prompt_tokens: int | None = None,
+                         add_special_tokens: bool = True) -> list[list[int]]:
     """Every prompt's token ids (its last ``truncate_prompt_tokens``), each checked as a single prompt
     is (not empty, within the vocabulary and ``max_model_len``), all before any is queued; in a worker
     thread, as tokenizing may be long."""
     def tokenize(index: int, prompt: Prompt) -> list[int]:
         try:
-            return engine.tokenize(prompt, truncate_prompt_tokens)
+            return engine.tokenize(prompt, truncate_prompt_tokens, add_special_tokens)
         except ValueError as e:  # the engine's messages start "prompt ...": a batch's say which
             raise BadRequest(f"prompt[{index}]: {e}" if len(prompts) > 1 else str(e), "prompt") from None
     return await asyncio.to_thread(lambda: [tokenize(i, p) for i, p in enumerate(prompts)])

@@ -15,7 +15,8 @@ import json
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
+                      field_validator, model_validator)
 
 from nanoengine.sampling_params import SamplingParams
 
@@ -36,6 +37,9 @@ IGNORED = {
     "prediction": "predicted output only saves time; the tokens are the same without it",
     "name": "a message's author name, which the chat template does not read",
     "annotations": "an earlier response's URL citations, sent back with its message; the template reads none",
+    "cache_control": "a prompt-caching hint (Anthropic's, passed on by LiteLLM and LangChain); the prefix cache "
+                     "finds shared prompts by their tokens",
+    "length_penalty": "vLLM's, for its served beam search, which use_beam_search cannot turn on here",
 }
 
 
@@ -115,7 +119,7 @@ class OpenAIRequest(Schema):
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    seed: int | None = None
+    seed: Annotated[int | None, Field(ge=-2**63, lt=2**64)] = None  # vLLM's bounds: what a 64-bit seed holds
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
@@ -138,6 +142,11 @@ class OpenAIRequest(Schema):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob and its top k
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:{id}" (texts can collide)
+    request_id: str | None = None  # the response's id ("cmpl-{request_id}"); a random one without
+    priority: Annotated[int, no_op(0, why="requests are served first come, first served")] = 0
+    use_beam_search: Annotated[bool, no_op(False, why="beam search is offline only: LLM.beam_search")] = False
+    length_penalty: float = 1.0  # IGNORED
     # What the output must follow (openai_structured.py): OpenAI's response_format (on completions
     # too, as in vLLM), vLLM's structured_outputs, and its older guided_* names. One at most.
     response_format: ResponseFormat | None = None
@@ -158,6 +167,13 @@ class OpenAIRequest(Schema):
         return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields
                 or cls.model_fields[k].default is None}
 
+    @field_validator("stream_options")
+    @classmethod
+    def only_with_stream(cls, value: dict | None, info: ValidationInfo) -> dict | None:
+        if value is not None and not info.data.get("stream"):  # as vLLM and OpenAI refuse it
+            raise ValueError("only with stream: true")
+        return value
+
 
 def one_of_the_prompt_forms(value: Any, handler) -> Any:
     """One message for a prompt of none of the four forms, rather than pydantic's one per form."""
@@ -173,6 +189,7 @@ class CompletionRequest(OpenAIRequest):
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], WrapValidator(one_of_the_prompt_forms)]
     logprobs: int | None = None  # how many top tokens' logprobs to return beside each sampled one
     echo: bool = False  # the prompt in front of each choice's text (and its tokens' logprobs, with logprobs)
+    add_special_tokens: bool = True  # vLLM's: a text prompt's BOS and the like, as the tokenizer adds them
     best_of: Annotated[int | None, no_op(None, 1, why="n completions are sampled, not best_of")] = None
     suffix: Annotated[str | None, no_op(None, why="there is no fill-in-the-middle")] = None
 

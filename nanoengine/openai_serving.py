@@ -74,7 +74,7 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
     params = replace(sampling_params(req, max_tokens, logprobs), prompt_logprobs=prompt_logprobs,
                      structured_outputs=structured)
     stream = await engine.add_requests(prompt_ids, params)
-    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}", "created": int(time.time()),
             "model": model_name}
     # The reply's role: the assistant's, or, with no generation prompt, the last message's, which the
     # model goes on with (as vLLM answers).
@@ -95,8 +95,10 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
         text starts, the length of the choice's tokens' texts before it; ``stop_reason``: vLLM's."""
         logprobs_json = None
         if logprobs is not None and token_logprobs:
-            logprobs_json = (chat_logprobs(engine.tokenizer, token_logprobs, logprobs) if chat
-                             else completion_logprobs(engine.tokenizer, token_logprobs, offset))
+            token_text = ((lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids  # vLLM's
+                          else lambda t: engine.tokenizer.decode([t]))
+            logprobs_json = (chat_logprobs(token_text, token_logprobs, logprobs) if chat
+                             else completion_logprobs(token_text, token_logprobs, offset))
         calls = None
         if (parser := parsers[index]) is not None:  # streamed: the calls' deltas; whole: the calls
             text, calls = parser.feed(text, final=finish_reason is not None or not req.stream)
@@ -149,11 +151,13 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
     async def events() -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        # With include_usage, every chunk but the last (usage, no choices) says ``usage: null``, as OpenAI's do.
+        # With include_usage, every chunk but the last (usage, no choices) says ``usage: null``, as
+        # OpenAI's do; with vLLM's continuous_usage_stats too, each says the usage so far.
         include_usage = bool((req.stream_options or {}).get("include_usage"))
-        extra = {"usage": None} if include_usage else {}
+        continuous = include_usage and bool(req.stream_options.get("continuous_usage_stats"))
 
         def event(choice: dict) -> str:
+            extra = {"usage": usage() if continuous else None} if include_usage else {}
             return f"data: {json.dumps({**head, 'object': obj, 'choices': [choice], **extra})}\n\n"
 
         if chat:
@@ -169,13 +173,13 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
                 if out.finish_reason and out.index == 0:
                     finish_reason = out.finish_reason
                 out = echo(out) if echo is not None else out
+                num_tokens[out.index] += len(out.token_ids)
                 if out.text or out.finish_reason or out.logprobs:
                     part = choice(out.index, out.text, out.finish_reason, out.logprobs, offsets[out.index],
                                   out.stop_reason)
                     if part["logprobs"] is not None and not chat:
                         offsets[out.index] += sum(map(len, part["logprobs"]["tokens"]))
                     yield event(part)
-                num_tokens[out.index] += len(out.token_ids)
         except EngineError as e:  # the status line has gone out: the error can only be an event
             finish_reason = "error"
             yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
@@ -189,24 +193,25 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
     return EventStream(events(), stream)
 
 
-def completion_logprobs(tokenizer, logprobs: list[dict[int, float | None]], offset: int) -> dict:
-    """The completions API's shape: each token's text and logprob, its top alternatives by text,
-    and where each token's text starts (``offset``: the length of the choice's text before them).
-    An echoed prompt's first token has no logprob (nothing before it predicts it): its entry is
-    ``{token_id: None}``, and its logprob and top alternatives are null."""
-    tokens = [tokenizer.decode([next(iter(top))]) for top in logprobs]
+def completion_logprobs(token_text, logprobs: list[dict[int, float | None]], offset: int) -> dict:
+    """The completions API's shape: each token's text (``token_text``) and logprob, its top
+    alternatives by text, and where each token's text starts (``offset``: the length of the choice's
+    text before them). An echoed prompt's first token has no logprob (nothing before it predicts
+    it): its entry is ``{token_id: None}``, and its logprob and top alternatives are null."""
+    tokens = [token_text(next(iter(top))) for top in logprobs]
     starts = list(accumulate(map(len, tokens), initial=offset))[:-1]
     token_logprobs = [next(iter(top.values())) for top in logprobs]
     return {"tokens": tokens, "token_logprobs": token_logprobs,
-            "top_logprobs": [None if lp is None else {tokenizer.decode([t]): v for t, v in top.items()}
+            "top_logprobs": [None if lp is None else {token_text(t): v for t, v in top.items()}
                              for top, lp in zip(logprobs, token_logprobs)],
             "text_offset": starts}
 
 
-def chat_logprobs(tokenizer, logprobs: list[dict[int, float]], num_top: int) -> dict:
-    """The chat API's shape: per token its text, bytes, logprob and its ``num_top`` best alternatives."""
+def chat_logprobs(token_text, logprobs: list[dict[int, float]], num_top: int) -> dict:
+    """The chat API's shape: per token its text (``token_text``), bytes, logprob and its ``num_top``
+    best alternatives."""
     def entry(token_id: int, logprob: float) -> dict:
-        text = tokenizer.decode([token_id])
+        text = token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
     return {"content": [{**entry(*next(iter(top.items()))),
                          "top_logprobs": [entry(*item) for item in sorted(top.items(), key=lambda x: -x[1])[:num_top]]}

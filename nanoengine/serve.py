@@ -23,6 +23,7 @@ Prometheus's text format (metrics.py), ``/tokenize`` and ``/detokenize`` the ser
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -35,6 +36,7 @@ except ImportError as e:  # the server's dependencies are an extra: say which, r
     raise SystemExit(f"nanoengine.serve needs {e.name}, which the 'serve' extra installs: "
                      "pip install -e \".[serve]\"") from None
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from nanoengine.async_engine import AsyncLLMEngine, EngineDeadError
@@ -60,6 +62,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
 
     app = FastAPI(title="nanoengine", lifespan=lifespan)
     install_error_handlers(app, max_request_body_bytes)
+    # Any origin may call it from a browser, as vLLM allows by default (no credentials are involved).
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     max_model_len = engine.engine.config.max_model_len
     metrics = ServerMetrics(model_name)
     app.add_middleware(RequestLog)  # request ids, and a log line for every 4xx and 5xx
@@ -90,7 +94,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
     async def completions(req: CompletionRequest, request: Request):
         clock = metrics.clock()
         prompts = prompt_batch(req.prompt)
-        prompt_ids = await tokenize_batch(engine, prompts, truncation(req))
+        prompt_ids = await tokenize_batch(engine, prompts, truncation(req), req.add_special_tokens)
         check_context(prompt_ids, req.max_tokens, "max_tokens")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
         echoed = prompts if req.truncate_prompt_tokens is None else prompt_ids  # what the model reads
@@ -109,12 +113,14 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
             raise BadRequest("messages must not be empty", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= (limit := engine.engine.config.max_logprobs):
+            raise BadRequest(f"top_logprobs must be in [0, max_logprobs={limit}], got {req.top_logprobs}", "top_logprobs")
         tools = ToolChoice.of(req)
         try:
             prompt_ids = await asyncio.to_thread(
                 tools.chat_prompt, engine, [m.for_template() for m in req.messages], req.chat_template_kwargs,
                 add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-                truncate_prompt_tokens=truncation(req))
+                truncate_prompt_tokens=truncation(req), documents=req.documents)
         except BadRequest:
             raise
         except ValueError as e:  # about the prompt the engine makes of the messages, or the template's options
@@ -124,7 +130,9 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
         # Unset means "until the context is full", as OpenAI's chat API does; with both set, the newer
         # name wins (max_tokens is deprecated), as in vLLM.
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        check_context([prompt_ids], requested := getattr(req, field), field)
+        if (requested := getattr(req, field)) is not None and requested < 1:
+            raise BadRequest(f"{field} must be an integer >= 1, got {requested}", field)
+        check_context([prompt_ids], requested, field)
         max_tokens = requested if requested is not None else max(1, max_model_len - len(prompt_ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         last = req.messages[-1]  # the reply is in its role without a generation prompt, else the assistant's
@@ -147,10 +155,15 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
         return card
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's name for it (SageMaker's)
     async def health():
         if (error := engine.error) is not None:
             return engine_error_response(EngineDeadError(error))
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": importlib.metadata.version("nanoengine")}
 
     @app.get("/stats")
     async def stats():

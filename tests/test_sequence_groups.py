@@ -184,7 +184,8 @@ def test_chat_equals_generate_on_the_templates_token_ids(llm):
     template_ids = llm.tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True,
                                                      return_dict=False)
     greedy = SamplingParams(temperature=0, max_tokens=8)
-    expected = llm.generate([template_ids], greedy, use_tqdm=False)
+    expected = [{**out, "prompt": llm.tokenizer.decode(template_ids)}  # vLLM's prompt of a chat: the template's text
+                for out in llm.generate([template_ids], greedy, use_tqdm=False)]
     assert llm.chat(conversation, greedy, use_tqdm=False) == expected
     assert llm.chat([conversation, conversation], greedy, use_tqdm=False) == expected * 2
     # The template's ids, not its text encoded again with special tokens (no second BOS).
@@ -199,8 +200,9 @@ def test_chat_continues_a_final_message_or_leaves_the_generation_prompt_out_as_v
                                   (asked, dict(add_generation_prompt=False))):
         template_ids = llm.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False, **options)
         assert llm.chat_prompt(conversation, **options) == template_ids
-        assert llm.chat(conversation, greedy, use_tqdm=False, **options) == llm.generate([template_ids], greedy,
-                                                                                          use_tqdm=False)
+        (chat,) = llm.chat(conversation, greedy, use_tqdm=False, **options)
+        assert chat == {**llm.generate([template_ids], greedy, use_tqdm=False)[0],
+                        "prompt": llm.tokenizer.decode(template_ids)}
     assert llm.tokenizer.decode(llm.chat_prompt(begun, add_generation_prompt=False, continue_final_message=True)) \
         .endswith("The colour is")  # left open: no end-of-turn token after it
     with pytest.raises(ValueError, match="set add_generation_prompt=False"):

@@ -311,7 +311,7 @@ def test_a_lone_surrogate_is_a_400_naming_the_field_and_the_connection_lives_on(
     ("completions", {"prompt": "hi", "logprobs": 10**6}, "logprobs", "logprobs=1000000 is more than max_logprobs=20"),
     ("completions", {"prompt": "hi", "logprobs": 21, "stream": True}, "logprobs", "max_logprobs=20"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
-     "logprobs", "logprobs=21 is more than max_logprobs=20"),
+     "top_logprobs", "top_logprobs must be in [0, max_logprobs=20], got 21"),
     ("completions", {"prompt": "hi", "stop": ["x"] * 33}, "stop", "more than max_stop_strings=32"),
     ("completions", {"prompt": "hi", "stop": "x" * 257}, "stop", "more than max_stop_string_length=256"),
     ("completions", {"prompt": "x" * 10**6}, "prompt", "prompt has 1000000 characters, more than max_model_len="),

@@ -4,6 +4,7 @@ the tokens the offline engine gives), accepted and ignored as docs/serving.md's 
 with a 400 that says why. Also vLLM's extensions, ``GET /v1/models/{id}`` and the response shapes.
 """
 
+import json
 import logging
 import os
 import re
@@ -22,7 +23,7 @@ from nanoengine.openai_chat_protocol import ChatCompletionRequest, ChatMessage  
 from nanoengine.openai_protocol import IGNORED, CompletionRequest  # noqa: E402
 from tests.conftest import with_chat_template  # noqa: E402
 from tests.test_serve import (REPO_ROOT, chat_prompt_ids, client, in_process_server, llm, model_name,  # noqa: E402,F401
-                              offline, server, server_log)
+                              offline, openai_error, server, server_log)
 
 MESSAGES = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour.",
                                                                      "name": "ann"}]
@@ -283,8 +284,8 @@ def test_chat_template_kwargs_reach_the_chat_template(thinking_model):
     no_thinking = llm.chat_prompt(messages, {"enable_thinking": False})
     assert llm.tokenizer.decode(no_thinking).endswith("<think>\n\n</think>\n\n") and no_thinking[:len(plain)] == plain
     greedy = SamplingParams(temperature=0, max_tokens=6)
-    assert llm.chat(messages, greedy, use_tqdm=False, chat_template_kwargs={"enable_thinking": False}) == \
-        llm.generate([no_thinking], greedy, use_tqdm=False)
+    (chat,) = llm.chat(messages, greedy, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
+    assert chat == {**llm.generate([no_thinking], greedy, use_tqdm=False)[0], "prompt": llm.tokenizer.decode(no_thinking)}
     with in_process_server(thinking_model) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
         response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
@@ -294,3 +295,78 @@ def test_chat_template_kwargs_reach_the_chat_template(thinking_model):
         with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
                                            extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+
+
+# -- what vLLM's clients send besides OpenAI's fields ----------------------------------------------
+
+def test_vllms_request_fields_are_honoured_or_refused_saying_why(server, client, model_name, llm):
+    prompt = [5, 17, 17, 40, 5, 99, 300, 17]
+    response = client.completions.create(model=model_name, prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                                         extra_body=dict(return_tokens_as_token_ids=True, request_id="abc-1",
+                                                         priority=0, use_beam_search=False, length_penalty=0.5))
+    assert response.id == "cmpl-abc-1"
+    tokens = response.choices[0].logprobs.tokens
+    assert tokens == [f"token_id:{t}" for t in offline(llm, [prompt], max_tokens=3, temperature=0)[0]["token_ids"]]
+    assert all(key.startswith("token_id:") for top in response.choices[0].logprobs.top_logprobs for key in top)
+    chat = client.chat.completions.create(model=model_name, messages=AS_SYSTEM, max_tokens=2, logprobs=True,
+                                          extra_body=dict(return_tokens_as_token_ids=True, request_id="xyz"))
+    assert chat.id == "chatcmpl-xyz" and chat.choices[0].logprobs.content[0].token.startswith("token_id:")
+    with_bos = client.completions.create(model=model_name, prompt="hello", max_tokens=1)
+    without = client.completions.create(model=model_name, prompt="hello", max_tokens=1,
+                                        extra_body=dict(add_special_tokens=False))
+    assert without.usage.prompt_tokens == len(llm.tokenizer.encode("hello", add_special_tokens=False))
+    assert with_bos.usage.prompt_tokens == len(llm.tokenizer.encode("hello"))
+    for path, field, value, reason in [("completions", "priority", 1, "first come, first served"),
+                                       ("completions", "use_beam_search", True, "LLM.beam_search"),
+                                       ("chat/completions", "chat_template", "{{ x }}", "the model's chat template"),
+                                       ("chat/completions", "add_special_tokens", True, "the chat template writes"),
+                                       ("completions", "cache_salt", "s", "Extra inputs are not permitted")]:
+        body = {"messages": AS_SYSTEM} if path.startswith("chat") else {"prompt": "hi"}
+        error = httpx.post(f"{server}/v1/{path}", json={**body, "max_tokens": 2, field: value}, timeout=30).json()["error"]
+        assert error["param"] == field and reason in error["message"], error
+
+
+def test_what_agent_frameworks_send_back_in_messages_is_taken(server, tiny_models, tmp_path):
+    """Anthropic-style cache_control hints (LiteLLM, LangChain) are accepted anywhere OpenAI's shapes
+    allow them; an earlier reply's reasoning_content reaches a template that reads it."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
+            "cache_control": {"type": "ephemeral"}}
+    messages = [{"role": "system", "content": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+                 "cache_control": {"type": "ephemeral"}},
+                {"role": "assistant", "content": "Hi.", "reasoning_content": "greet"},
+                {"role": "user", "content": "Hello"}]
+    body = {"messages": messages, "max_tokens": 2, "tools": [tool], "tool_choice": "required"}
+    assert httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30).status_code == 200
+    template = "{% for m in messages %}{{ m.role }}:{{ m.reasoning_content or '' }}|{{ m.content }}\n{% endfor %}"
+    model = with_chat_template(tiny_models["llama"], str(tmp_path / "reasoning"), template)
+    tokenizer = LLM(model, dtype="float32", max_model_len=64).tokenizer
+    reasoning = ChatMessage.model_validate({"role": "assistant", "content": "Hi.", "reasoning": "greet"}).for_template()
+    assert "assistant:greet|Hi." in tokenizer.apply_chat_template([reasoning], tokenize=False)
+
+
+def test_stream_usage_can_be_continuous_and_stream_options_need_a_stream(server):
+    body = {"prompt": "Hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 4 and counts[0] >= 1 and len(chunks) >= 3
+    error = openai_error(httpx.post(f"{server}/v1/completions", json={**body, "stream": False}, timeout=30), 400)
+    assert error["param"] == "stream_options" and "only with stream: true" in error["message"]
+
+
+def test_small_vllm_endpoints_cors_and_the_fields_errors_name(server):
+    assert httpx.get(f"{server}/ping").json() == {"status": "ok"} == httpx.post(f"{server}/ping").json()
+    assert httpx.get(f"{server}/version").json()["version"]
+    preflight = httpx.options(f"{server}/v1/chat/completions", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+    for body, param in [({"max_completion_tokens": 0}, "max_completion_tokens"),
+                        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"seed": 2**64}, "seed")]:
+        error = openai_error(httpx.post(f"{server}/v1/chat/completions", json={"messages": AS_SYSTEM, **body},
+                                        timeout=30), 400)
+        assert error["param"] == param, error
+    long = [{"role": "user", "content": "hello world " * 40000}]  # more characters than max_model_len could hold
+    cut = httpx.post(f"{server}/v1/chat/completions", timeout=60,
+                     json={"messages": long, "max_tokens": 2, "truncate_prompt_tokens": 50}).json()
+    assert cut["usage"]["prompt_tokens"] == 50

@@ -211,16 +211,18 @@ def test_required_makes_one_or_more_calls_of_the_tools_and_parallel_false_one(cl
 
 def streamed_calls(chunks) -> tuple[list[tuple[str, str]], str | None, int]:
     """The calls a stream's deltas add up to, its finish reason and how many argument fragments
-    came, checking OpenAI's order: a call's first delta has its id, type, name and empty
-    arguments; later ones only fragments of its arguments."""
+    came, checking OpenAI's order: a call's first delta has its id, type, name and the arguments so
+    far; later ones only fragments of its arguments; a chunk has one entry a call."""
     calls, finish_reason, fragments = {}, None, 0
     for chunk in chunks:
         choice = chunk.choices[0]
         finish_reason = choice.finish_reason or finish_reason
+        indices = [delta.index for delta in choice.delta.tool_calls or []]
+        assert len(set(indices)) == len(indices)  # a client that reads tool_calls[0] gets the whole delta
         for delta in choice.delta.tool_calls or []:
             if delta.index not in calls:
-                assert delta.id.startswith("call_") and delta.type == "function" and delta.function.arguments == ""
-                calls[delta.index] = [delta.function.name, ""]
+                assert delta.id.startswith("call_") and delta.type == "function"
+                calls[delta.index] = [delta.function.name, delta.function.arguments or ""]
             else:
                 assert delta.id is None and delta.function.name is None
                 calls[delta.index][1] += delta.function.arguments

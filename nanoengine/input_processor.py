@@ -132,7 +132,8 @@ class InputProcessor:
                                bounded=truncate_prompt_tokens is None)
         try:
             token_ids = self.tokenizer.apply_chat_template(
-                conversation, tools=tools, documents=documents, tokenize=True, add_generation_prompt=add_generation_prompt,
+                conversation, tools=tools, documents=documents, tokenize=True,
+                add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, return_dict=False, **variables)
         except TemplateError as e:  # templates may reject a conversation, e.g. roles out of order
             raise ValueError(f"the chat template rejected the messages: {e}") from e

@@ -108,7 +108,7 @@ class NamedToolChoice(Schema):
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # the newer name for max_tokens
+    max_completion_tokens: Annotated[int | None, Field(ge=1)] = None  # the newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None  # with logprobs: how many top tokens' logprobs beside each sampled one
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables

@@ -200,7 +200,8 @@ class SamplingParams:
             raise ValueError(f"bad_words must be a list of words (non-blank strings, valid Unicode), "
                              f"got {self.bad_words!r}")
         self.bad_words = list(words)
-        for field in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+        for field in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
         if (k := self.truncate_prompt_tokens) is not None and (not is_int(k) or not (k == -1 or k >= 1)):

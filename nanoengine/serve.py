@@ -18,7 +18,8 @@ event, then ``[DONE]``), 503 from every endpoint, ``/health`` included, once the
 serve; every error response is logged in one line with its request id (request_log.py). What one
 request may ask for is bounded by the flags of the "request limits" group. ``/metrics`` serves
 Prometheus's text format (metrics.py), ``/tokenize`` and ``/detokenize`` the server's tokenizer
-(serving_tokenization.py).
+(serving_tokenization.py); ``/ping`` (vLLM's) is ``/health``. Browsers may call it from any origin
+(CORS), as vLLM's default allows.
 """
 
 import argparse
@@ -62,7 +63,6 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
 
     app = FastAPI(title="nanoengine", lifespan=lifespan)
     install_error_handlers(app, max_request_body_bytes)
-    # Any origin may call it from a browser, as vLLM allows by default (no credentials are involved).
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     max_model_len = engine.engine.config.max_model_len
     metrics = ServerMetrics(model_name)
@@ -114,7 +114,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= (limit := engine.engine.config.max_logprobs):
-            raise BadRequest(f"top_logprobs must be in [0, max_logprobs={limit}], got {req.top_logprobs}", "top_logprobs")
+            raise BadRequest(f"top_logprobs must be in [0, max_logprobs={limit}], got {req.top_logprobs}",
+                             "top_logprobs")
         tools = ToolChoice.of(req)
         try:
             prompt_ids = await asyncio.to_thread(
@@ -130,9 +131,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
         # Unset means "until the context is full", as OpenAI's chat API does; with both set, the newer
         # name wins (max_tokens is deprecated), as in vLLM.
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        if (requested := getattr(req, field)) is not None and requested < 1:
-            raise BadRequest(f"{field} must be an integer >= 1, got {requested}", field)
-        check_context([prompt_ids], requested, field)
+        check_context([prompt_ids], requested := getattr(req, field), field)
         max_tokens = requested if requested is not None else max(1, max_model_len - len(prompt_ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         last = req.messages[-1]  # the reply is in its role without a generation prompt, else the assistant's

@@ -1,8 +1,9 @@
 """The offline API: ``LLM.generate``, ``LLM.chat`` and ``LLM.beam_search`` on top of the engine's loop.
 
 Each call queues its requests (every prompt checked before any is queued), steps the engine until
-they are done, and returns plain dicts. An interrupted call (Ctrl-C, an exception) aborts what it
-queued, so the engine is left as it was.
+they are done, and returns dicts (``Output``, whose keys also read as attributes, as vLLM's result
+objects' do). An interrupted call (Ctrl-C, an exception) aborts what it queued, so the engine is
+left as it was.
 """
 
 from tqdm.auto import tqdm

@@ -73,6 +73,8 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
         raise BadRequest("prompt_logprobs is not available with stream: true", "prompt_logprobs")
     params = replace(sampling_params(req, max_tokens, logprobs), prompt_logprobs=prompt_logprobs,
                      structured_outputs=structured)
+    if tools is not None and tools.forced:  # the grammar ends a forced call: a stop string (LangChain sends
+        params = replace(params, stop=[])  # some) would only cut its arguments, as OpenAI's never are
     stream = await engine.add_requests(prompt_ids, params)
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}", "created": int(time.time()),
             "model": model_name}

@@ -198,6 +198,18 @@ def test_a_named_function_is_called_with_arguments_that_validate(client):
         assert name == "get_weather"
 
 
+def test_stop_strings_do_not_cut_a_forced_call(client):
+    """LangChain sends stop strings with every request: inside a forced call they would only cut its
+    arguments, so the grammar alone ends it, as OpenAI never cuts a call."""
+    request = dict(model="tiny", messages=ASK, tools=TOOLS, seed=5, **SAMPLED,
+                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    plain = client.chat.completions.create(**request).choices[0]
+    arguments = plain.message.tool_calls[0].function.arguments
+    stopped = client.chat.completions.create(**request, stop=[arguments[2:5], "\n"]).choices[0]
+    assert stopped.finish_reason == plain.finish_reason == "tool_calls"
+    assert stopped.message.tool_calls[0].function.arguments == arguments
+
+
 def test_required_makes_one_or_more_calls_of_the_tools_and_parallel_false_one(client):
     for parallel in (True, False):
         response = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",

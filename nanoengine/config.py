@@ -79,6 +79,9 @@ class Config:
     # for benchmarks on a machine that has a model's config.json and not its weights.
     load_format: str = "auto"
     skip_tokenizer_init: bool = False  # token-id prompts only; outputs carry token ids, text is None
+    # vLLM's, which its scripts pass for models with code of their own: here the architectures are
+    # built in and no checkpoint's code is ever run, so either value loads the same model.
+    trust_remote_code: bool = False
     # Pure torch everywhere, for reading and stepping through in a debugger: no C++ kernels, no CUDA
     # graphs, attention by torch_attention.py's plain functions. Same tokens, slower.
     learner_mode: bool = False
@@ -112,7 +115,7 @@ class Config:
             if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name in ("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill", "learner_mode",
-                     "skip_tokenizer_init"):
+                     "skip_tokenizer_init", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("max_logprobs", "max_stop_strings", "max_stop_string_length"):
@@ -133,6 +136,8 @@ class Config:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+        if self.dtype in ("half", "float"):  # vLLM's other names
+            self.dtype = {"half": "float16", "float": "float32"}[self.dtype]
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.dtype!r}")
         if self.quantization not in (None, "int8", "int4"):

@@ -104,6 +104,7 @@ class LLMEngine:
         """A ``ValueError`` for parameters this engine could never serve."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        sampling_params.check()  # a field set after it was made (``sp.max_tokens = None``)
         if sampling_params.n > self.config.max_num_seqs:  # a request's samples run side by side
             raise ValueError(f"n={sampling_params.n} is more than max_num_seqs={self.config.max_num_seqs}")
         if sampling_params.stop and self.tokenizer is None:  # stop strings are found in the text

@@ -1,5 +1,6 @@
 """Per-request sampling parameters: what a user controls about how tokens are picked."""
 
+import copy
 import json as json_module
 import math
 import numbers
@@ -144,6 +145,11 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Check, and bring to one form, every field: when made, and again when a request is queued
+        (``LLMEngine.check_sampling_params``), since a field may be set in between."""
         if not (is_number(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
         if not (is_number(self.top_p) and 0 < self.top_p <= 1):
@@ -206,6 +212,10 @@ class SamplingParams:
                 raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
         if (k := self.truncate_prompt_tokens) is not None and (not is_int(k) or not (k == -1 or k >= 1)):
             raise ValueError(f"truncate_prompt_tokens must be None, -1 (max_model_len) or an integer >= 1, got {k!r}")
+
+    def clone(self) -> "SamplingParams":
+        """A copy to change without touching this one (vLLM's)."""
+        return copy.deepcopy(self)
 
     @property
     def penalizes(self) -> bool:

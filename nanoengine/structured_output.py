@@ -93,7 +93,12 @@ class GrammarCompiler:
             error = str(e)
         if error:
             raise InvalidGrammar(kind, error)
-        return matcher(tokenizer, grammar, log_level=0)  # a failure is logged with its request (scheduler.py)
+        start = matcher(tokenizer, grammar, log_level=0)  # a failure is logged with its request (scheduler.py)
+        probe = start.deep_copy()  # a grammar no text matches (`root ::= root "a"`) fails at its first mask
+        allowed_tokens([probe], self.vocab_size)
+        if probe.is_error():
+            raise InvalidGrammar(kind, "no text matches it")
+        return start
 
     def compile(self, params: StructuredOutputsParams):
         """``params``' grammar as a matcher at its start, compiled at the first request that names

@@ -90,6 +90,19 @@ def test_results_read_as_vllms_request_outputs_too(llm, tokenizer):
     assert beams.sequences[0].text == beams["sequences"][0]["text"]
 
 
+def test_a_field_set_after_the_params_were_made_is_checked_when_queued(llm, tiny_models):
+    params = SamplingParams(max_tokens=4)
+    copy = params.clone()
+    params.max_tokens, copy.n = None, 2  # a clone is its own
+    assert params.n == 1 and copy.max_tokens == 4
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got None"):
+        llm.generate(["hi"], params, use_tqdm=False)
+    assert_still_usable(llm)
+    assert len(llm.generate(["hi"], copy, use_tqdm=False)[0]["outputs"]) == 2
+    # vLLM's engine options that scripts pass: taken
+    assert LLM(tiny_models["llama"], dtype="half", trust_remote_code=True, max_model_len=64).config.dtype == "float16"
+
+
 def test_reset_prefix_cache_makes_the_next_prompt_compute_whole_and_waits_for_idle(llm):
     prompt = list(range(100, 140))  # two full blocks of 16
     assert llm.get_tokenizer() is llm.tokenizer

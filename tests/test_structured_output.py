@@ -202,3 +202,11 @@ def test_an_object_takes_only_its_declared_properties_unless_its_schema_allows_o
             accepted[name, text] = matcher.validate_tokens(tokens) == len(tokens)
     assert not accepted["closed", extra_at_top] and not accepted["closed", extra_inside]
     assert accepted["open", extra_at_top] and accepted["closed", '{"a":1,"inner":{"b":2}}']
+
+
+@pytest.mark.parametrize("params", [StructuredOutputsParams(grammar='root ::= root "a"'),
+                                    StructuredOutputsParams(regex="[^\\x00-\\U0010FFFF]")])
+def test_a_grammar_no_text_matches_is_refused_rather_than_answered_empty(llm, params):
+    with pytest.raises(ValueError, match="no text matches it"):
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=params), use_tqdm=False)
+    assert not llm.has_unfinished_requests()

@@ -135,7 +135,7 @@ class InputProcessor:
                 conversation, tools=tools, documents=documents, tokenize=True,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, return_dict=False, **variables)
-        except TemplateError as e:  # templates may reject a conversation, e.g. roles out of order
+        except (TemplateError, RecursionError) as e:  # roles out of order, say, or tools nested past the stack
             raise ValueError(f"the chat template rejected the messages: {e}") from e
         return self.tokenize(list(token_ids), truncate_prompt_tokens)
 

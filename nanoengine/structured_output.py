@@ -186,7 +186,7 @@ def closed_objects(schema_text: str) -> str:
         return {name: close(value) for name, value in mapping.items()} if isinstance(mapping, dict) else mapping
     try:
         return json.dumps(close(json.loads(schema_text)))
-    except ValueError:  # not JSON: llguidance says what is wrong with it
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's stack: llguidance says what is wrong
         return schema_text
 
 

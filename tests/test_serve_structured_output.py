@@ -158,6 +158,11 @@ def test_two_constraints_in_one_request_are_a_400_naming_them(served, body, name
     assert response.status_code == 400 and names in response.json()["error"]["message"], response.text
 
 
+DEEP = {"type": "string"}
+for _ in range(300):  # a schema nested past what the template's renderer recurses through
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
+
+
 @pytest.mark.parametrize("body, param, message", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
                                                                                          "properties": 5}}}},
@@ -170,6 +175,8 @@ def test_two_constraints_in_one_request_are_a_400_naming_them(served, body, name
      "structured_outputs takes exactly one of json, json_object, regex, choice, grammar; got ['regex', 'choice']"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
       "tool_choice": "required"}, "tools", "tools (a function's parameters) is not a grammar llguidance accepts"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}], "tool_choice": "required"},
+     "messages", "the chat template rejected the messages: maximum recursion depth"),  # was a 500
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is given with type"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nowhere"}}}, "tool_choice",

@@ -124,9 +124,10 @@ class InputProcessor:
         if self.tokenizer is None:
             raise ValueError("chat needs the tokenizer's chat template: the engine has none (skip_tokenizer_init=True)")
         variables = dict(chat_template_kwargs or {})
-        if taken := sorted(variables.keys() & inspect.signature(self.tokenizer.apply_chat_template).parameters.keys()):
+        if taken := sorted(variables.keys() & (inspect.signature(self.tokenizer.apply_chat_template).parameters.keys()
+                                               | RENDERER_NAMES)):
             raise ValueError(f"chat_template_kwargs may set only the template's variables, not {taken} "
-                             "(arguments of apply_chat_template itself)")
+                             "(arguments of apply_chat_template, or names its renderer gives the template)")
         # The template adds more. Cut from its end, a conversation is bounded by the request alone.
         self.check_prompt_text(*(str(m.get("content", "")) for m in conversation),
                                bounded=truncate_prompt_tokens is None)
@@ -135,9 +136,15 @@ class InputProcessor:
                 conversation, tools=tools, documents=documents, tokenize=True,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, return_dict=False, **variables)
-        except (TemplateError, RecursionError) as e:  # roles out of order, say, or tools nested past the stack
+        # roles out of order, say, a content the template cannot join, or tools nested past the stack
+        except (TemplateError, TypeError, RecursionError) as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from e
         return self.tokenize(list(token_ids), truncate_prompt_tokens)
+
+
+# What transformers' renderer passes a template besides the variables: the conversation, and the two
+# functions templates call. A variable by one of these names would fail the render, or the template.
+RENDERER_NAMES = {"messages", "raise_exception", "strftime_now"}
 
 
 def check_template_options(add_generation_prompt: bool, continue_final_message: bool) -> None:

@@ -85,6 +85,8 @@ def install_error_handlers(app: FastAPI, max_request_body_bytes: int) -> None:
         errors = exc.errors()
         if errors[0]["type"] == "json_invalid":
             return error_response(f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}")
+        if tuple(errors[0]["loc"]) == ("body",):  # none, not an object, or not sent as JSON
+            return error_response("the request body must be a JSON object, sent as Content-Type: application/json")
         messages = [validation_message(e) for e in errors]  # every bad field: one round trip fixes them all
         return error_response("; ".join(m for m, _ in messages), param=messages[0][1])
 
@@ -94,7 +96,7 @@ def install_error_handlers(app: FastAPI, max_request_body_bytes: int) -> None:
     async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
         message = exc.detail
         if exc.status_code == 400:
-            message = "the request body is not valid JSON in UTF-8"
+            message = "the request body is not valid JSON in UTF-8, or is nested too deeply to read"
         elif exc.status_code in (404, 405):
             message = f"{message}: {request.method} {request.url.path}"
         return error_response(message, exc.status_code, headers=exc.headers)

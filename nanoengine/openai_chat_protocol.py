@@ -8,7 +8,7 @@ A message becomes what the chat template reads through ``ChatMessage.for_templat
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import Field, model_validator
 
 from nanoengine.input_processor import text_of_parts
 from nanoengine.openai_protocol import OpenAIRequest, Schema, no_op
@@ -20,17 +20,19 @@ class TextPart(Schema):
     cache_control: dict | None = None  # IGNORED
 
 
-def _json_text(text: str) -> str:
-    try:
-        json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"must be JSON text: {e}") from None
-    return text
-
-
 class FunctionCall(Schema):
     name: str
-    arguments: Annotated[str, AfterValidator(_json_text)]  # JSON text, as a response gives it
+    arguments: str  # JSON text, as a response gives it; or not (a call cut by max_tokens), as OpenAI takes it
+
+    def for_template(self) -> dict | str:
+        """The arguments as templates read them: an object (HF's chat-template guide; vLLM does the
+        same), ``{}`` for none (vLLM's reading of ``""``), and text that is not JSON as it is."""
+        if not self.arguments.strip():
+            return {}
+        try:
+            return json.loads(self.arguments)
+        except ValueError:
+            return self.arguments
 
 
 class ToolCall(Schema):
@@ -68,14 +70,13 @@ class ChatMessage(Schema):
 
     def for_template(self) -> dict:
         """The message as the chat template reads it: content parts joined (``text_of_parts``),
-        developer as system, and a tool call's arguments as an object (what templates, and HF's
-        chat-template guide, expect; vLLM does the same)."""
+        developer as system, and a tool call's arguments as ``FunctionCall.for_template`` gives them."""
         content = self.content or ""
         text = content if isinstance(content, str) else text_of_parts([part.model_dump() for part in content])
         message = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.tool_calls:
             message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
-                "name": call.function.name, "arguments": json.loads(call.function.arguments)}}
+                "name": call.function.name, "arguments": call.function.for_template()}}
                 for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id

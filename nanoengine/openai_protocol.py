@@ -76,6 +76,16 @@ def _token_ids(bias: dict[str, float] | None) -> dict[str, float] | None:
     return bias
 
 
+def _unicode(text: str | None) -> str | None:
+    """A string sent back in the response (JSON escapes a lone surrogate, and strict parsers refuse it)."""
+    if text is not None:
+        try:
+            text.encode()
+        except UnicodeEncodeError as e:
+            raise ValueError(f"must be valid Unicode text: a lone surrogate at character {e.start}") from None
+    return text
+
+
 class Schema(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -143,7 +153,8 @@ class OpenAIRequest(Schema):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob and its top k
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:{id}" (texts can collide)
-    request_id: str | None = None  # the response's id ("cmpl-{request_id}"); a random one without
+    # the response's id ("cmpl-{request_id}"); a random one without
+    request_id: Annotated[str | None, AfterValidator(_unicode)] = None
     priority: Annotated[int, no_op(0, why="requests are served first come, first served")] = 0
     use_beam_search: Annotated[bool, no_op(False, why="beam search is offline only: LLM.beam_search")] = False
     length_penalty: float = 1.0  # IGNORED

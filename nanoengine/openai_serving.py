@@ -18,7 +18,7 @@ from itertools import accumulate
 from typing import AsyncIterator, Awaitable
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoengine.async_engine import AsyncLLMEngine, EngineError, RequestStream
 from nanoengine.metrics import RequestClock
@@ -42,7 +42,7 @@ class EventStream(StreamingResponse):
             self.stream.abort()
 
 
-async def unless_disconnected(request: Request, work: Awaitable[dict]) -> dict | Response:
+async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
     """Await ``work``, cancelling it (and so aborting its request) if the client disconnects first.
 
     FastAPI has read the body, so the next ASGI message is the disconnect: waiting for it costs
@@ -91,14 +91,20 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
         n, num_prompt_tokens = sum(num_tokens), sum(map(len, prompt_ids))
         return {"prompt_tokens": num_prompt_tokens, "completion_tokens": n, "total_tokens": num_prompt_tokens + n}
 
+    token_texts = {}  # each token's text, decoded once a response: top logprobs repeat the same tokens
+
+    def token_text(token_id: int) -> str:
+        if (text := token_texts.get(token_id)) is None:
+            text = token_texts[token_id] = (f"token_id:{token_id}" if req.return_tokens_as_token_ids  # vLLM's
+                                            else engine.tokenizer.decode([token_id]))
+        return text
+
     def choice(index: int, text: str, finish_reason: str | None, token_logprobs: list | None, offset: int,
                stop_reason: int | str | None = None) -> dict:
         """A choice of a response, or of a chunk when streaming; ``offset``: where its first token's
         text starts, the length of the choice's tokens' texts before it; ``stop_reason``: vLLM's."""
         logprobs_json = None
         if logprobs is not None and token_logprobs:
-            token_text = ((lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids  # vLLM's
-                          else lambda t: engine.tokenizer.decode([t]))
             logprobs_json = (chat_logprobs(token_text, token_logprobs, logprobs) if chat
                              else completion_logprobs(token_text, token_logprobs, offset))
         calls = None
@@ -116,7 +122,7 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
         return {"index": index, "logprobs": logprobs_json, "finish_reason": finish_reason, "stop_reason": stop_reason,
                 **content}
 
-    async def whole() -> dict:
+    async def whole() -> JSONResponse:
         texts, token_logprobs = [[] for _ in range(num_choices)], [[] for _ in range(num_choices)]
         finish_reasons, stop_reasons = [None] * num_choices, [None] * num_choices
         try:
@@ -135,6 +141,12 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
         finally:
             stream.abort()
             clock.finish(finish_reasons[0] or "abort")  # unfinished: the client left
+
+        # In a worker thread: the texts of n samples' top logprobs and their JSON, megabytes, would
+        # hold up every other stream (and /health) for seconds on the event loop.
+        return await asyncio.to_thread(respond, texts, token_logprobs, finish_reasons, stop_reasons)
+
+    def respond(texts, token_logprobs, finish_reasons, stop_reasons) -> JSONResponse:
         choices = [choice(i, "".join(texts[i]), finish_reasons[i], token_logprobs[i], 0, stop_reasons[i])
                    for i in range(num_choices)]
         if req.prompt_logprobs is not None:  # vLLM's extension: in each choice, or in a chat response
@@ -144,8 +156,8 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
             else:
                 for c in choices:
                     c["prompt_logprobs"] = shaped[c["index"] // req.n]
-        return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                "usage": usage(), "system_fingerprint": None}  # as vLLM sends it
+        return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                             "usage": usage(), "system_fingerprint": None})  # as vLLM sends it
 
     if not req.stream:
         return await unless_disconnected(request, whole())
@@ -181,7 +193,8 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
                                   out.stop_reason)
                     if part["logprobs"] is not None and not chat:
                         offsets[out.index] += sum(map(len, part["logprobs"]["tokens"]))
-                    yield event(part)
+                    if not chat or part["delta"] or part["finish_reason"] or part["logprobs"]:
+                        yield event(part)  # not a chunk of nothing (text the tool parser holds), as vLLM
         except EngineError as e:  # the status line has gone out: the error can only be an event
             finish_reason = "error"
             yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"

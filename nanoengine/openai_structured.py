@@ -16,6 +16,7 @@ from nanoengine.async_engine import AsyncLLMEngine
 from nanoengine.openai_protocol import BadRequest, OpenAIRequest
 from nanoengine.sampling_params import StructuredOutputsParams
 from nanoengine.structured_output import InvalidGrammar
+from nanoengine.tool_calls import ToolChoice, arguments_schema
 
 
 def _requested(req: OpenAIRequest, tool_grammar: str | None) -> dict[str, tuple[dict, str]]:
@@ -26,6 +27,8 @@ def _requested(req: OpenAIRequest, tool_grammar: str | None) -> dict[str, tuple[
         asked["response_format"] = {"json_object": True}, "response_format"
     elif req.response_format is not None and req.response_format.type == "json_schema":
         schema = req.response_format.json_schema.schema_
+        if not req.response_format.json_schema.strict:  # keywords llguidance lacks (uniqueItems) are ignored
+            schema = {**schema, "x-guidance": {"whitespace_flexible": False, "lenient": True}}
         asked["response_format"] = {"json": schema}, "response_format.json_schema.schema"
     if req.structured_outputs is not None:
         keywords = req.structured_outputs.model_dump(exclude_defaults=True, by_alias=True)
@@ -33,16 +36,25 @@ def _requested(req: OpenAIRequest, tool_grammar: str | None) -> dict[str, tuple[
     for kind in ("json", "regex", "choice", "grammar"):
         if (value := getattr(req, f"guided_{kind}")) is not None:
             asked[f"guided_{kind}"] = {kind: value}, f"guided_{kind}"
-    if tool_grammar is not None:
+    if tool_grammar is not None:  # a forced call is the whole output: response_format is for text replies
+        asked.pop("response_format", None)  # (OpenAI's Agents SDK sends both), as OpenAI takes them
         asked["tool_choice"] = {"grammar": tool_grammar}, "tools (a function's parameters)"
     return asked
 
 
 async def structured_outputs(engine: AsyncLLMEngine, req: OpenAIRequest,
-                             tool_grammar: str | None = None) -> StructuredOutputsParams | None:
+                             tools: ToolChoice | None = None) -> StructuredOutputsParams | None:
     """The request's constraint, its grammar compiled (in a worker thread); None if it has none.
-    ``tool_grammar``: the grammar of a ``tool_choice`` that forces a call (tool_calls.py)."""
-    asked = _requested(req, tool_grammar)
+    With ``tools`` forcing a call (tool_calls.py), their grammar, each function's arguments schema
+    first compiled alone: so that one no JSON value matches is a 400 that names it, rather than
+    a call the grammar can begin and never end."""
+    for function in (tool["function"] for tool in (tools.forced if tools is not None else [])):
+        try:
+            await asyncio.to_thread(engine.compile_grammar, StructuredOutputsParams(json=arguments_schema(function)))
+        except InvalidGrammar as e:
+            raise BadRequest(f"tools: the parameters of {function['name']!r} are not a JSON schema llguidance "
+                             f"accepts: {e.reason}", "tools") from None
+    asked = _requested(req, tools.grammar if tools is not None else None)
     if len(asked) > 1:
         raise BadRequest(f"{' and '.join(asked)} each constrain the output: give one of them at most",
                          next(iter(asked)))

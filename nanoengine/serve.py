@@ -69,11 +69,15 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
     app.add_middleware(RequestLog)  # request ids, and a log line for every 4xx and 5xx
     app.include_router(tokenization_router(engine))  # /tokenize and /detokenize
 
-    def check_context(prompt_ids: list[list[int]], max_tokens: int | None, field: str) -> None:
+    def check_context(prompt_ids: list[list[int]], max_tokens: int | None, field: str, prompt_field: str) -> None:
         """A 400 for a request whose longest prompt and ``max_tokens`` together overrun the context,
         as vLLM and OpenAI refuse it, rather than a completion cut short where the client asked
-        for more."""
+        for more; with ``max_tokens`` unset, for a prompt that leaves no room for a token, as vLLM."""
         longest = max(map(len, prompt_ids))
+        if max_tokens is None and longest >= max_model_len:
+            raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, the prompt "
+                             f"has {longest} tokens, which leaves no room for the completion. Please reduce the "
+                             f"length of the {prompt_field}.", prompt_field)
         if max_tokens is not None and longest + max_tokens > max_model_len:
             raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                              f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the "
@@ -95,7 +99,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
         clock = metrics.clock()
         prompts = prompt_batch(req.prompt)
         prompt_ids = await tokenize_batch(engine, prompts, truncation(req), req.add_special_tokens)
-        check_context(prompt_ids, req.max_tokens, "max_tokens")
+        check_context(prompt_ids, req.max_tokens, "max_tokens", "prompt")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
         echoed = prompts if req.truncate_prompt_tokens is None else prompt_ids  # what the model reads
         echo = Echo(engine.tokenizer, echoed, prompt_ids, req.n, req.logprobs, drop_sample=max_tokens == 0) \
@@ -131,7 +135,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
         # Unset means "until the context is full", as OpenAI's chat API does; with both set, the newer
         # name wins (max_tokens is deprecated), as in vLLM.
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        check_context([prompt_ids], requested := getattr(req, field), field)
+        check_context([prompt_ids], requested := getattr(req, field), field, "messages")
         max_tokens = requested if requested is not None else max(1, max_model_len - len(prompt_ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         last = req.messages[-1]  # the reply is in its role without a generation prompt, else the assistant's
@@ -139,7 +143,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
             if req.echo and (not req.add_generation_prompt or last.role == "assistant") else None
         return await generate(engine, model_name, request, req, [prompt_ids], max_tokens, chat=True, logprobs=logprobs, clock=clock,
                               prompt_logprobs=req.prompt_logprobs, echo=echo,
-                              structured=await structured_outputs(engine, req, tools.grammar), tools=tools)
+                              structured=await structured_outputs(engine, req, tools), tools=tools)
 
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoengine", "max_model_len": max_model_len}
 

@@ -14,6 +14,7 @@ answers the ``prompt`` they decode to.
 import asyncio
 
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict
 
@@ -43,6 +44,11 @@ class DetokenizeRequest(BaseModel):
 def tokenize(engine: AsyncLLMEngine, req: TokenizeRequest) -> list[int]:
     if (req.prompt is None) == (req.messages is None):
         raise BadRequest("give either prompt (a text) or messages (a conversation)", "prompt")
+    texts = [req.prompt] if req.prompt is not None else [str(m.for_template().get("content")) for m in req.messages]
+    try:  # lone surrogates: not text the tokenizer takes (not bounded: counting a long text is the point)
+        engine.engine.input_processor.check_prompt_text(*texts, bounded=False)
+    except ValueError as e:
+        raise BadRequest(str(e), "prompt" if req.prompt is not None else "messages") from None
     if req.prompt is not None:
         return engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     try:
@@ -62,12 +68,17 @@ def tokenization_router(engine: AsyncLLMEngine) -> APIRouter:
     router = APIRouter()
     max_model_len = engine.engine.config.max_model_len
 
-    # In a worker thread, as the completions endpoint tokenizes: a long text must not hold up the event loop.
+    def answer(req: TokenizeRequest) -> JSONResponse:  # which serializes as it is made
+        tokens = tokenize(engine, req)
+        strs = engine.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
+        return JSONResponse({"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens,
+                             "token_strs": strs})
+
+    # In a worker thread, the answer's JSON too: a long text (a million tokens fit the body limit)
+    # must not hold up the event loop, and every stream's next token with it.
     @router.post("/tokenize")
     async def tokenize_endpoint(req: TokenizeRequest):
-        tokens = await asyncio.to_thread(tokenize, engine, req)
-        strs = engine.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
-        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": strs}
+        return await asyncio.to_thread(answer, req)
 
     @router.post("/detokenize")
     async def detokenize_endpoint(req: DetokenizeRequest):

@@ -178,7 +178,7 @@ def closed_objects(schema_text: str) -> str:
             return node
         node = {key: close_map(value) if key in _SCHEMA_MAPS else close(value) if key in _SCHEMAS else value
                 for key, value in node.items()}
-        if node.get("properties") and isinstance(node["properties"], dict) and "additionalProperties" not in node:
+        if isinstance(node.get("properties"), dict) and "additionalProperties" not in node:  # {} too: no property
             node["additionalProperties"] = False
         return node
 

@@ -4,12 +4,17 @@ grammar that makes it call one.
 - ``"none"`` (the default without tools): the tools are not rendered and nothing is parsed, so the
   model cannot call one.
 - ``"auto"`` (the default with tools): the chat template renders the tools into the prompt, the
-  model writes freely, and the tool parser (tool_parser.py) finds the calls it made. Only a template
-  that renders tools teaches the model to call them, so a template that ignores them is refused.
+  model writes freely, and the tool parser (tool_parser.py) finds the calls it made.
 - ``"required"`` and a named function: ``tool_call_grammar`` makes the output one or more calls
   (one with a named function, or with ``parallel_tool_calls: false``), in the format the parser
   reads, each call's name one of the tools' and its arguments valid for that function's
   ``parameters`` schema. This holds whatever the template does with the tools.
+
+A template that ignores tools (it renders the same prompt without them: the default SmolLM2-135M's)
+would leave the model unaware of them, and every agent framework sends ``"auto"``. So there the
+tools go into the system message instead, with how to call one in the format the parser reads
+(``tools_in_system_message``), as llama.cpp does for such templates; earlier calls in the
+conversation are written in that format too.
 
 serve.py renders the prompt through ``ToolChoice.chat_prompt`` and hands ``grammar`` to
 openai_structured.py, which compiles it as any other constraint.
@@ -37,11 +42,19 @@ def tool_call_grammar(tools: list[dict], parallel: bool) -> str:
 
     def call(function: dict) -> str:
         head = json.dumps(f'{START}\n{{"name": {json.dumps(function["name"])}, "arguments": ')
-        schema = function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
-        schema = {**json.loads(closed_objects(json.dumps(schema))), "x-guidance": {"whitespace_flexible": False}}
-        return f"{head} %json {json.dumps(schema)} {tail}"
+        return f"{head} %json {json.dumps(arguments_schema(function))} {tail}"
     repeat = ' ("\\n" call)*' if parallel else ""
     return f"start: call{repeat}\ncall: " + " | ".join(call(tool["function"]) for tool in tools)
+
+
+def arguments_schema(function: dict) -> dict:
+    """The JSON schema a call's arguments follow: the function's ``parameters`` (none, or an object
+    schema that declares no properties: ``{}``), closed as ``closed_objects`` closes them."""
+    schema = function.get("parameters") or {"type": "object"}
+    if schema.get("type") == "object" and not schema.keys() & {"properties", "additionalProperties",
+                                                                 "patternProperties"}:
+        schema = {**schema, "properties": {}}
+    return {**json.loads(closed_objects(json.dumps(schema))), "x-guidance": {"whitespace_flexible": False}}
 
 
 @dataclass
@@ -80,11 +93,31 @@ class ToolChoice:
 
     def chat_prompt(self, engine: AsyncLLMEngine, conversation: list[dict], chat_template_kwargs: dict | None,
                     **options) -> list[int]:
-        """The prompt, the tools rendered by the chat template; with "auto", a 400 if the template
-        ignores them (it renders the same prompt without them): the model could never call one."""
+        """The prompt, the tools rendered by the chat template, or, by a template that ignores them,
+        in the system message (``tools_in_system_message``)."""
         prompt = engine.chat_prompt(conversation, chat_template_kwargs, self.tools or None, **options)
-        if self.choice == "auto" and prompt == engine.chat_prompt(conversation, chat_template_kwargs, **options):
-            raise BadRequest('tool_choice "auto": this model\'s chat template does not render tools, so the model '
-                             'cannot know them; use "required" or a named function, whose calls a grammar writes',
-                             "tool_choice")
+        if self.tools and prompt == engine.chat_prompt(conversation, chat_template_kwargs, **options):
+            prompt = engine.chat_prompt(tools_in_system_message(conversation, self.tools), chat_template_kwargs,
+                                        **options)
         return prompt
+
+
+def tools_in_system_message(conversation: list[dict], tools: list[dict]) -> list[dict]:
+    """The conversation with the tools (their JSON, a line each) and how to call one added to its
+    system message (a new one first, if it has none), and each earlier call an assistant message
+    made written into its content, as the grammar writes a call."""
+    listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    guide = (f"You may call the functions below to help you answer. Each is a JSON object, one a line:\n<tools>\n"
+             f"{listing}\n</tools>\nTo call one, write its name and arguments as one JSON object between the tags "
+             f'{START} and {END}, like this:\n{START}\n{{"name": "function_name", "arguments": {{"argument": '
+             f'"value"}}}}\n{END}')
+
+    def with_calls(message: dict) -> dict:
+        calls = [json.dumps({"name": call["function"]["name"], "arguments": call["function"]["arguments"]},
+                            ensure_ascii=False) for call in message.get("tool_calls", [])]
+        tagged = [f"{START}\n{call}\n{END}" for call in calls]
+        return {**message, "content": "\n".join(filter(None, [message.get("content"), *tagged]))} if calls else message
+    conversation = [with_calls(m) for m in conversation]
+    if conversation[0]["role"] == "system":
+        return [{**conversation[0], "content": f"{conversation[0]['content']}\n\n{guide}"}, *conversation[1:]]
+    return [{"role": "system", "content": guide}, *conversation]

@@ -205,6 +205,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "logit_bias": {"1000000": 1}}),  # not a token id
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": 0}}),
+    # a name the renderer passes the template itself (was a 500)
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}}),
     ("completions", {"prompt": "hi", "echo": "yes"}),
     ("completions", {"prompt": "hi", "best_of": 2}),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}),
@@ -234,6 +236,19 @@ def test_bad_request_gets_400_and_the_next_good_one_succeeds(server, path, body)
 def test_a_request_overrunning_the_context_is_refused_as_vllm_refuses_it(server, path, body, field):
     error = httpx.post(f"{server}/v1/{path}", json=body, timeout=10).json()["error"]
     assert error["param"] == field and "maximum context length is" in error["message"]
+
+
+def test_a_prompt_that_fills_the_context_needs_max_tokens_to_say_so(server):
+    """Unset max_tokens leaves no room for a token after a prompt of max_model_len tokens: a 400, as
+    vLLM's; max_tokens 0 (a prompt only scored) still fits."""
+    max_model_len = httpx.get(f"{server}/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    full = {"prompt": [5] * max_model_len}
+    error = openai_error(httpx.post(f"{server}/v1/completions", json=full, timeout=10), 400)
+    assert error["param"] == "prompt" and "leaves no room for the completion" in error["message"]
+    scored = httpx.post(f"{server}/v1/completions", json={**full, "max_tokens": 0, "echo": True}, timeout=60)
+    assert scored.status_code == 200 and scored.json()["usage"]["completion_tokens"] == 0
+    fits = httpx.post(f"{server}/v1/completions", json={"prompt": [5] * (max_model_len - 1)}, timeout=60)
+    assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 1
 
 
 def test_the_server_log_has_a_line_per_error_and_with_access_log_one_per_request(server, server_log):
@@ -274,6 +289,11 @@ def openai_error(response: httpx.Response, status: int) -> dict:
      400, "the request body is not valid JSON in UTF-8"),
     ("POST", "/v1/completions", dict(content=b'{"prompt": "hi",', headers={"content-type": "application/json"}),
      400, "the request body is not valid JSON"),
+    ("POST", "/v1/completions", dict(content=b"[" * 100_000, headers={"content-type": "application/json"}), 400,
+     "the request body is not valid JSON in UTF-8, or is nested too deeply"),  # said "not valid JSON" alone
+    ("POST", "/v1/completions", dict(content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"}), 400,
+     "the request body must be a JSON object, sent as Content-Type: application/json"),
+    ("POST", "/v1/completions", {}, 400, "the request body must be a JSON object"),  # none at all
     ("POST", "/v1/completions", dict(json={"prompt": "x" * (4 << 20)}), 413,
      "the request body is larger than max_request_body_bytes=4194304"),
     ("POST", "/v1/completions", dict(content=iter([b'{"prompt": "' + b"x" * (4 << 20), b'"}']),  # chunked: no length
@@ -297,11 +317,15 @@ def test_a_bad_request_names_every_bad_field_at_once(server):
 @pytest.mark.parametrize("path,body,param", [
     ("completions", {"prompt": "bad \ud800 surrogate"}, "prompt"),
     ("chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
+    ("completions", {"prompt": "hi", "request_id": "\ud800"}, "request_id"),  # else in the response's id
+    ("../tokenize", {"prompt": "\ud800"}, "prompt"),  # were 500s
+    ("../tokenize", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
 ])
 def test_a_lone_surrogate_is_a_400_naming_the_field_and_the_connection_lives_on(server, path, body, param):
     raw = json.dumps(body).encode()  # the surrogate as the JSON escape "\\ud800", which no UTF-8 text can carry
     with httpx.Client(base_url=server, timeout=10) as http:  # one keep-alive connection for both
-        response = http.post(f"/v1/{path}", content=raw, headers={"content-type": "application/json"})
+        response = http.post(f"/v1/{path}".replace("/v1/../", "/"), content=raw,
+                             headers={"content-type": "application/json"})
         error = openai_error(response, 400)
         assert error["param"] == param and "lone surrogate" in error["message"]
         assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
@@ -665,6 +689,31 @@ def test_a_prompt_being_tokenized_does_not_hold_up_other_streams(local_server, m
             release.set()
             waiter.join(timeout=60)
     assert released_by_a_stream == [True] and responses[0].status_code == 200
+
+
+def test_a_response_being_built_does_not_hold_up_the_server(local_server, monkeypatch):
+    """The texts of a response's top logprobs and its JSON are made in a worker thread: n samples'
+    top 20 can take seconds, and on the event loop every other stream and /health would wait."""
+    url, engine = local_server
+    decode, entered, release = engine.tokenizer.decode, threading.Event(), threading.Event()
+
+    def slow_decode(ids, *args, **kwargs):
+        if threading.current_thread().name != "nanoengine" and not entered.is_set():  # not the detokenizer's
+            entered.set()
+            release.wait(timeout=30)
+        return decode(ids, *args, **kwargs)
+    monkeypatch.setattr(engine.tokenizer, "decode", slow_decode)
+    responses = []
+    waiter = threading.Thread(target=lambda: responses.append(httpx.post(
+        f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4, "logprobs": 5, "n": 2}, timeout=60)))
+    waiter.start()
+    try:
+        assert entered.wait(timeout=30)
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # while the response is being built
+    finally:
+        release.set()
+        waiter.join(timeout=60)
+    assert responses[0].status_code == 200 and len(responses[0].json()["choices"]) == 2
 
 
 def test_metrics_gauges_show_running_and_waiting_requests(local_server, monkeypatch):

@@ -149,8 +149,8 @@ def test_vllms_extras_constrain_the_output(client, extra, params):
 @pytest.mark.parametrize("body, names", [
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "response_format and guided_regex"),
     ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "structured_outputs and guided_choice"),
-    ({"response_format": {"type": "json_object"}, "tools": TOOLS, "tool_choice": "required"},
-     "response_format and tool_choice"),
+    ({"structured_outputs": {"regex": "a"}, "tools": TOOLS, "tool_choice": "required"},
+     "structured_outputs and tool_choice"),
 ])
 def test_two_constraints_in_one_request_are_a_400_naming_them(served, body, names):
     response = httpx.post(f"{served[0]}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body},
@@ -174,13 +174,18 @@ for _ in range(300):  # a schema nested past what the template's renderer recurs
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
      "structured_outputs takes exactly one of json, json_object, regex, choice, grammar; got ['regex', 'choice']"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
-      "tool_choice": "required"}, "tools", "tools (a function's parameters) is not a grammar llguidance accepts"),
+      "tool_choice": "required"}, "tools", "the parameters of 'f' are not a JSON schema llguidance accepts: Invalid type"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}], "tool_choice": "required"},
      "messages", "the chat template rejected the messages: maximum recursion depth"),  # was a 500
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is given with type"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nowhere"}}}, "tool_choice",
      "'nowhere', which is not one of the tools"),
+    # arguments no JSON value matches: the call's head could be written, its arguments never ended
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+      "tool_choice": "required"}, "tools", "the parameters of 'f' are not a JSON schema llguidance accepts: no text"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+        "type": "array", "uniqueItems": True}}}}, "response_format", "uniqueItems"),  # strict: refused, not ignored
 ])
 def test_a_grammar_or_tool_request_that_cannot_be_served_is_a_400_and_the_server_serves_on(served, body, param,
                                                                                             message):
@@ -203,6 +208,37 @@ def test_a_named_function_is_called_with_arguments_that_validate(client):
         assert c.finish_reason == "tool_calls" and c.message.content is None
         [(name, arguments)] = validated_calls(c.message)
         assert name == "get_weather"
+
+
+def test_a_forced_call_wins_over_response_format_which_is_for_text_replies(client):
+    """OpenAI's Agents SDK sends its output schema with every turn, a forced tool call included."""
+    response = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, seed=5, **SAMPLED, response_format={"type": "json_object"},
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert response.choices[0].finish_reason == "tool_calls"
+    assert [name for name, _ in validated_calls(response.choices[0].message)] == ["get_time"]
+
+
+@pytest.mark.parametrize("parameters", [{"type": "object", "properties": {}}, {"type": "object"}])
+def test_a_function_that_declares_no_arguments_is_called_with_none(client, llm, parameters):
+    """LangChain's schema for a tool without arguments: an object with no properties, or none at all.
+    Every token that opens a property name is pushed up: only the grammar keeps it out."""
+    tool = {"type": "function", "function": {"name": "now", "parameters": parameters}}
+    quotes = {str(t): 100 for t in range(len(llm.tokenizer)) if llm.tokenizer.decode([t]).startswith(('"', '{"'))}
+    response = client.chat.completions.create(model="tiny", messages=ASK, tools=[tool], n=4, seed=3, **SAMPLED,
+                                              logit_bias=quotes,
+                                              tool_choice={"type": "function", "function": {"name": "now"}})
+    done = finished(response.choices)
+    assert done and all(c.message.tool_calls[0].function.arguments == "{}" for c in done)
+
+
+def test_a_schema_that_is_not_strict_ignores_keywords_llguidance_lacks(client):
+    """pydantic-ai's set[str] is ``uniqueItems``: with strict false, enforced as far as llguidance can."""
+    schema = {"type": "array", "uniqueItems": True, "maxItems": 3, "items": {"enum": CHOICES}}
+    response = client.chat.completions.create(model="tiny", messages=ASK, seed=4, **SAMPLED, response_format={
+        "type": "json_schema", "json_schema": {"name": "tags", "strict": False, "schema": schema}})
+    for c in finished(response.choices):
+        assert set(json.loads(c.message.content)) <= set(CHOICES)
 
 
 def test_stop_strings_do_not_cut_a_forced_call(client):
@@ -235,6 +271,8 @@ def streamed_calls(chunks) -> tuple[list[tuple[str, str]], str | None, int]:
     calls, finish_reason, fragments = {}, None, 0
     for chunk in chunks:
         choice = chunk.choices[0]
+        assert choice.delta.content or choice.delta.tool_calls or choice.delta.role or choice.finish_reason, \
+            "a chunk of nothing"  # the text the parser holds back (tags) sends no chunk
         finish_reason = choice.finish_reason or finish_reason
         indices = [delta.index for delta in choice.delta.tool_calls or []]
         assert len(set(indices)) == len(indices)  # a client that reads tool_calls[0] gets the whole delta
@@ -278,16 +316,27 @@ def test_auto_renders_the_tools_and_parses_a_hermes_call_whole_and_streamed(clie
     assert streamed_calls(chunks)[:2] == ([(name, message.tool_calls[0].function.arguments)], "tool_calls")
 
 
-def test_auto_on_a_template_that_ignores_tools_is_refused_and_none_renders_no_tools(tiny_models):
+def test_a_template_that_ignores_tools_gets_them_in_the_system_message_and_none_renders_none(tiny_models):
     plain = LLM(tiny_models["llama"], dtype="float32")  # a ChatML template without tools
-    request = ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS})
-    with pytest.raises(BadRequest, match='tool_choice "auto": this model\'s chat template does not render tools'):
-        ToolChoice.of(request).chat_prompt(plain, ASK, None)
-    required = ToolChoice.of(ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS,
-                                                                    "tool_choice": "required"}))
-    assert required.chat_prompt(plain, ASK, None) == plain.chat_prompt(ASK)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}
+    conversation = [{"role": "system", "content": "Be brief."}, *ASK,
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
+    for choice in ("auto", "required"):
+        tools = ToolChoice.of(ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS,
+                                                                     "tool_choice": choice}))
+        text = plain.tokenizer.decode(tools.chat_prompt(plain, conversation, None))
+        system, user, assistant, tool = text.split("<|im_start|>")[1:5]
+        assert system.startswith("system\nBe brief.\n\nYou may call the functions below")
+        assert all(json.dumps(tool) in system for tool in TOOLS) and "<tool_call>" in system
+        assert user.startswith("user\nWhat is the weather")
+        assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>' in assistant
+        assert tool.startswith("tool\nnoon")
+        alone = plain.tokenizer.decode(tools.chat_prompt(plain, ASK, None))  # no system message: one added
+        assert alone.split("<|im_start|>")[1].startswith("system\nYou may call the functions below")
     none = ToolChoice.of(ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS, "tool_choice": "none"}))
     assert none.tools == [] and none.grammar is None and none.parser() is None
+    assert none.chat_prompt(plain, ASK, None) == plain.chat_prompt(ASK)
 
 
 def test_a_conversation_with_tool_calls_and_tool_results_reaches_the_template(client, llm):
@@ -319,13 +368,26 @@ def test_a_tool_call_the_sdk_returned_can_be_sent_back_with_its_result(client):
 @pytest.mark.parametrize("message, complaint", [
     ({"role": "tool", "content": "18"}, "tool_call_id is required in a tool message"),
     ({"role": "user", "content": None}, "content is required"),
-    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
-        "name": "f", "arguments": "{not json"}}]}, "must be JSON text"),
 ])
 def test_a_malformed_tool_message_is_a_400_naming_it(served, message, complaint):
     response = httpx.post(f"{served[0]}/v1/chat/completions", json={"messages": ASK + [message]}, timeout=30)
     assert response.status_code == 400 and complaint in response.json()["error"]["message"], response.text
     assert response.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("arguments, as_read", [('{"city": "Par', '{"city": "Par'), ("", {})])
+def test_a_call_cut_short_can_be_sent_back(served, llm, arguments, as_read):
+    """A call cut by max_tokens, as the client got it: arguments that are not JSON reach the template
+    as text, none as {} (vLLM's reading); OpenAI takes any arguments."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "error"}]
+    response = httpx.post(f"{served[0]}/v1/chat/completions", timeout=30,
+                          json={"messages": messages, "tools": TOOLS, "tool_choice": "none", "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    expected = llm.chat_prompt([*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {**call, "function": {"name": "get_weather", "arguments": as_read}}]}, messages[-1]])
+    assert response.json()["usage"]["prompt_tokens"] == len(expected)
 
 
 def test_grammars_are_compiled_off_the_engine_thread_once(served, monkeypatch):

@@ -104,7 +104,7 @@ class InputProcessor:
     def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None,
                     tools: list[dict] | None = None, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, truncate_prompt_tokens: int | None = None,
-                    documents: list[dict] | None = None) -> list[int]:
+                    documents: list[dict] | None = None, chat_template: str | None = None) -> list[int]:
         """A conversation's prompt token ids: the tokenizer's chat template with the generation prompt.
 
         Tokenized by the template itself, which writes BOS and the like: rendering it to text and
@@ -114,7 +114,8 @@ class InputProcessor:
         ``add_generation_prompt=False`` leaves the assistant's header out, and
         ``continue_final_message=True`` leaves the last message open, for the model to go on with
         (an assistant's reply begun by the caller); not both. ``truncate_prompt_tokens`` as ``tokenize``'s;
-        ``documents`` (vLLM's) for a template that reads them, as ``tools``.
+        ``documents`` (vLLM's) for a template that reads them, as ``tools``; ``chat_template`` (Jinja
+        text) in place of the tokenizer's, as vLLM's ``LLM.chat`` takes it.
         """
         check_template_options(add_generation_prompt, continue_final_message)
         if not isinstance(conversation, list) or not conversation or not all(isinstance(m, dict) for m in conversation):
@@ -123,6 +124,8 @@ class InputProcessor:
                         for m in conversation]
         if self.tokenizer is None:
             raise ValueError("chat needs the tokenizer's chat template: the engine has none (skip_tokenizer_init=True)")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"chat_template must be a Jinja template's text, got {type(chat_template).__name__}")
         variables = dict(chat_template_kwargs or {})
         if taken := sorted(variables.keys() & (inspect.signature(self.tokenizer.apply_chat_template).parameters.keys()
                                                | RENDERER_NAMES)):
@@ -133,10 +136,10 @@ class InputProcessor:
                                bounded=truncate_prompt_tokens is None)
         try:
             token_ids = self.tokenizer.apply_chat_template(
-                conversation, tools=tools, documents=documents, tokenize=True,
+                conversation, tools=tools, documents=documents, chat_template=chat_template, tokenize=True,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, return_dict=False, **variables)
-        # roles out of order, say, a content the template cannot join, or tools nested past the stack
+        # roles out of order, say, a template's syntax, a content it cannot join, or tools nested past the stack
         except (TemplateError, TypeError, RecursionError) as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from e
         return self.tokenize(list(token_ids), truncate_prompt_tokens)

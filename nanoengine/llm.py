@@ -110,17 +110,19 @@ class LLM(LLMEngine):
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None) -> list[Output]:
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template: str | None = None) -> list[Output]:
         """``generate`` on one conversation (a list of ``{"role", "content"}``) or a list of them,
-        each rendered by the tokenizer's chat template with the generation prompt (and the
-        template's variables in ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``;
-        vLLM's ``add_generation_prompt``, ``continue_final_message`` and ``tools``, as
-        ``LLMEngine.chat_prompt`` takes them)."""
+        each rendered by the tokenizer's chat template (or ``chat_template``, a Jinja template's text)
+        with the generation prompt (and the template's variables in ``chat_template_kwargs``, e.g.
+        ``{"enable_thinking": False}``; vLLM's ``add_generation_prompt``, ``continue_final_message``
+        and ``tools``, as ``LLMEngine.chat_prompt`` takes them)."""
         conversations = [messages] if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
             else messages
         if not isinstance(conversations, list) or not conversations:
             raise ValueError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
-        options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+        options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                       chat_template=chat_template)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(conversations)
         if len(params) != len(conversations):
             raise ValueError(f"got {len(params)} sampling_params for {len(conversations)} conversations")

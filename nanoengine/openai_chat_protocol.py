@@ -114,7 +114,7 @@ class ChatCompletionRequest(OpenAIRequest):
     top_logprobs: int | None = None  # with logprobs: how many top tokens' logprobs beside each sampled one
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables
     documents: list[dict[str, str]] | None = None  # vLLM's: for a template that reads them (retrieval)
-    chat_template: Annotated[str | None, no_op(None, why="the model's chat template is the one run")] = None
+    chat_template: Annotated[str | None, no_op(None, why="the server's chat template (--chat-template) is the one run")] = None
     add_special_tokens: Annotated[bool, no_op(False, why="the chat template writes the special tokens")] = False
     add_generation_prompt: bool = True  # vLLM's: false leaves the assistant's header out
     continue_final_message: bool = False  # vLLM's: the last message left open, for the model to go on with

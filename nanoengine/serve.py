@@ -19,14 +19,13 @@ serve; every error response is logged in one line with its request id (request_l
 request may ask for is bounded by the flags of the "request limits" group. ``/metrics`` serves
 Prometheus's text format (metrics.py), ``/tokenize`` and ``/detokenize`` the server's tokenizer
 (serving_tokenization.py); ``/ping`` (vLLM's) is ``/health``. Browsers may call it from any origin
-(CORS), as vLLM's default allows.
+(CORS), as vLLM's default allows. The command line's flags are cli_args.py's.
 """
 
-import argparse
 import asyncio
 import importlib.metadata
-import json
 import logging
+import os
 from contextlib import asynccontextmanager
 
 try:
@@ -41,6 +40,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from nanoengine.async_engine import AsyncLLMEngine, EngineDeadError
+from nanoengine.cli_args import engine_options, make_parser
 from nanoengine.limits import MAX_REQUEST_BODY_BYTES, engine_error_response, error_response, install_error_handlers
 from nanoengine.loader import DEFAULT_MODEL_FILE
 from nanoengine.metrics import ServerMetrics
@@ -179,74 +179,14 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
     return app
 
 
-# The engine's options, one line each: a flag's name is the ``LLM(...)`` keyword's (config.py) with
-# dashes, and an option left unset keeps the engine's own default.
-ENGINE_OPTIONS = {
-    "--max-model-len": dict(type=int),
-    "--max-num-seqs": dict(type=int),
-    "--max-num-batched-tokens": dict(type=int, help="tokens one step may compute"),
-    "--num-kvcache-blocks": dict(type=int, help="a fixed number of KV blocks instead of sizing from memory"),
-    "--kvcache-block-size": dict(type=int, help="tokens per KV block (default: 256 with flash-attn, else 16)"),
-    "--gpu-memory-utilization": dict(type=float, help="the fraction of GPU memory to use, KV cache included"),
-    "--dtype": dict(choices=["auto", "float32", "float16", "bfloat16"]),
-    "--device": dict(choices=["auto", "cpu", "cuda"]),
-    "--quantization": dict(choices=["int8", "int4"], help="weight-only quantization (default: none)"),
-    "--enforce-eager": dict(action="store_true", default=None, help="no decode graphs (CUDA or CPU): eager decode"),
-    "--enable-prefix-caching": dict(action=argparse.BooleanOptionalAction, help="on unless --no-enable-prefix-caching"),
-    # On by default in the server (off offline): a burst of prompts must not freeze running streams.
-    "--enable-chunked-prefill": dict(action=argparse.BooleanOptionalAction, default=True,
-                                     help="mix decodes and prompt chunks (default: on)"),
-    "--tensor-parallel-size": dict(type=int, help="ranks to split the model over (default: 1)"),
-    "--attention-backend": dict(choices=["auto", "flash-attn", "triton", "torch"],
-                                help="auto: flash-attn on CUDA where installed, else Triton; C++ kernels on CPU"),
-    "--speculative-config": dict(type=json.loads, metavar="JSON", help="speculative decoding, as LLM's dict: "
-                                 '\'{"method": "ngram", "num_speculative_tokens": 4}\''),
-    "--seed": dict(type=int, help="seeds the draws of requests that bring no seed (default: none, draws differ "
-                                  "every run)"),
-}
-
-
-# What one request may ask for. The first three are engine options too (config.py); unset, each
-# keeps the engine's default, which the help gives.
-LIMIT_OPTIONS = {
-    "--max-logprobs": dict(type=int, help="logprobs, top_logprobs or prompt_logprobs a request may ask for "
-                                          "(default: 20, as vLLM)"),
-    "--max-stop-strings": dict(type=int, help="stop strings a request may give (default: 32)"),
-    "--max-stop-string-length": dict(type=int, help="characters in one stop string (default: 256)"),
-}
-
-
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="An OpenAI-compatible server for nanoengine")
-    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--served-model-name", help="the model's name in the API (default: --model as given)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=port, default=8000)
-    parser.add_argument("--access-log", action="store_true",
-                        help="log every request (uvicorn's access log); errors are logged without it")
-    group = parser.add_argument_group("engine options")
-    for flag, kwargs in ENGINE_OPTIONS.items():
-        group.add_argument(flag, **kwargs)
-    limits = parser.add_argument_group("request limits", "a request over one is refused (400, 413) before it "
-                                       "is queued; a prompt's length in characters is bounded by max_model_len")
-    for flag, kwargs in LIMIT_OPTIONS.items():
-        limits.add_argument(flag, **kwargs)
-    limits.add_argument("--max-request-body-bytes", type=int, default=MAX_REQUEST_BODY_BYTES,
-                        help=f"bytes of a request's body (default: {MAX_REQUEST_BODY_BYTES}, 4 MiB)")
-    return parser
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    """The engine options the command line set, as ``LLM(...)`` keywords."""
-    names = (flag.removeprefix("--").replace("-", "_") for flag in ENGINE_OPTIONS | LIMIT_OPTIONS)
-    return {name: value for name in names if (value := getattr(args, name)) is not None}
-
-
-def port(text: str) -> int:
-    """A TCP port, 0-65535 (argparse reports a ValueError as an invalid value)."""
-    if not 0 <= (number := int(text)) <= 65535:
-        raise ValueError(text)
-    return number
+def use_chat_template(engine: AsyncLLMEngine, template: str) -> None:
+    """``--chat-template`` (vLLM's): a template's text, or a file that holds one, in place of the
+    model's, for every chat and ``/tokenize``; a ``ValueError`` if it cannot render a conversation."""
+    if os.path.isfile(template):
+        with open(template) as file:
+            template = file.read()
+    engine.tokenizer.chat_template = template
+    engine.chat_prompt([{"role": "user", "content": "hi"}])
 
 
 def main() -> None:
@@ -258,6 +198,12 @@ def main() -> None:
         engine = AsyncLLMEngine(args.model, **engine_options(args))
     except ValueError as e:
         parser.error(str(e))
+    if args.chat_template is not None:
+        try:
+            use_chat_template(engine, args.chat_template)
+        except ValueError as e:
+            engine.shutdown()
+            parser.error(f"--chat-template: {e}")
     model_name = args.served_model_name or args.model or DEFAULT_MODEL_FILE.removesuffix(".gguf")
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # request_log's error lines
     app = create_app(engine, model_name, args.max_request_body_bytes)

@@ -90,6 +90,18 @@ def test_results_read_as_vllms_request_outputs_too(llm, tokenizer):
     assert beams.sequences[0].text == beams["sequences"][0]["text"]
 
 
+def test_chat_takes_a_chat_template_of_its_own(llm, tokenizer):
+    """vLLM's ``LLM.chat(chat_template=...)``: the text of a Jinja template, run instead of the model's."""
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+    (chat,) = llm.chat([{"role": "user", "content": "hi there"}], GREEDY, use_tqdm=False, chat_template=template)
+    assert chat.prompt == "[user] hi there\n[assistant] "
+    assert chat.prompt_token_ids == tokenizer("[user] hi there\n[assistant] ", add_special_tokens=False).input_ids
+    with pytest.raises(ValueError, match="chat_template must be a Jinja template's text"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, chat_template=5)
+    with pytest.raises(ValueError, match="the chat template rejected the messages"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, chat_template="{% if %}")
+
+
 def test_a_field_set_after_the_params_were_made_is_checked_when_queued(llm, tiny_models):
     params = SamplingParams(max_tokens=4)
     copy = params.clone()

@@ -433,7 +433,7 @@ def test_every_engine_flag_is_an_llm_keyword_and_unset_ones_keep_the_defaults_bu
     from dataclasses import fields
 
     from nanoengine.config import Config
-    from nanoengine.serve import ENGINE_OPTIONS, engine_options, make_parser
+    from nanoengine.cli_args import ENGINE_OPTIONS, engine_options, make_parser
     keywords = {f.name for f in fields(Config) if f.init}
     assert {flag.removeprefix("--").replace("-", "_") for flag in ENGINE_OPTIONS} <= keywords
     parser = make_parser()
@@ -449,7 +449,7 @@ def test_every_engine_flag_is_an_llm_keyword_and_unset_ones_keep_the_defaults_bu
 
 def test_request_limits_are_flags_with_the_engines_defaults():
     from nanoengine.config import Config
-    from nanoengine.serve import engine_options, make_parser
+    from nanoengine.cli_args import engine_options, make_parser
     parser = make_parser()
     assert parser.parse_args([]).max_request_body_bytes == 4 << 20
     args = parser.parse_args(["--max-logprobs", "5", "--max-stop-strings", "4", "--max-stop-string-length", "16",

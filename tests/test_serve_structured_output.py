@@ -339,6 +339,22 @@ def test_a_template_that_ignores_tools_gets_them_in_the_system_message_and_none_
     assert none.chat_prompt(plain, ASK, None) == plain.chat_prompt(ASK)
 
 
+def test_the_servers_chat_template_flag_replaces_the_models(tiny_models, llm, tmp_path):
+    """``--chat-template``: a template that renders tools, run on a model whose own ignores them."""
+    from nanoengine.serve import use_chat_template
+    path = tmp_path / "tools.jinja"
+    path.write_text(TOOLS_TEMPLATE)
+    with in_process_server(tiny_models["llama"], max_model_len=512) as (url, engine):
+        use_chat_template(engine, str(path))
+        response = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                              json={"messages": ASK, "tools": TOOLS, "max_tokens": 1})
+        assert response.json()["usage"]["prompt_tokens"] == len(llm.chat_prompt(ASK, tools=TOOLS))
+        tokens = httpx.post(f"{url}/tokenize", json={"messages": ASK}, timeout=30).json()["tokens"]
+        assert tokens == llm.chat_prompt(ASK)
+        with pytest.raises(ValueError, match="the chat template rejected the messages"):
+            use_chat_template(engine, "{% for m in messages %}{{ m.content }")  # its syntax: refused at start
+
+
 def test_a_conversation_with_tool_calls_and_tool_results_reaches_the_template(client, llm):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                             "arguments": '{"city": "Paris", "unit": "celsius"}'}}

@@ -161,6 +161,8 @@ class LLM(LLMEngine):
             eos = token_ids[-1:] if token_ids[-1] in search.eos_token_ids else []
             text = self.tokenizer.decode(token_ids[:len(token_ids) - len(eos)], skip_special_tokens=True)
             return text + self.tokenizer.decode(eos) if params.include_stop_str_in_output else text
+        # vLLM's names too: a beam's ``tokens`` begin with the prompt's, its ``cum_logprob`` is ours
         return [Output(sequences=[Output(text=text(search, beam.token_ids), token_ids=beam.token_ids,
-                                         cumulative_logprob=beam.cumulative_logprob) for beam in search.best()])
-                for search in searches]
+                                         cumulative_logprob=beam.cumulative_logprob, tokens=prompt + beam.token_ids,
+                                         cum_logprob=beam.cumulative_logprob) for beam in search.best()])
+                for search, prompt in zip(searches, token_ids)]

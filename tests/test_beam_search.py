@@ -58,6 +58,8 @@ def test_beam_search_equals_hf(model, width, length_penalty, tiny_models, eos_on
         for b in ours:  # the EOS that ended a beam is left out of its text, as a sample's stop token is
             shown = b["token_ids"][:-1] if b["token_ids"][-1] in eos else b["token_ids"]
             assert b["text"] == tokenizer.decode(shown, skip_special_tokens=True)
+            # vLLM's names: its beams' tokens begin with the prompt's
+            assert b.tokens == prompt + b.token_ids and b.cum_logprob == b.cumulative_logprob
     if model == "eos_on_the_way" and length_penalty == 0:  # scored by their sums, short beams win
         assert any(len(b["token_ids"]) < MAX_TOKENS for r in results for b in r["sequences"])
     assert llm.stats()["kvcache_blocks_in_use"] == 0

@@ -96,7 +96,8 @@ def install_error_handlers(app: FastAPI, max_request_body_bytes: int) -> None:
     async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
         message = exc.detail
         if exc.status_code == 400:
-            message = "the request body is not valid JSON in UTF-8, or is nested too deeply to read"
+            message = ("the request body is not valid JSON in UTF-8, or is nested too deeply to read, or holds an "
+                       "integer of over 4,300 digits")
         elif exc.status_code in (404, 405):
             message = f"{message}: {request.method} {request.url.path}"
         return error_response(message, exc.status_code, headers=exc.headers)

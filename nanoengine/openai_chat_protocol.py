@@ -88,8 +88,21 @@ class ChatMessage(Schema):
 class FunctionDefinition(Schema):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule for a function's name
     description: str | None = None
-    parameters: dict | None = None  # a JSON schema; none: the function takes no arguments
-    strict: bool | None = None  # strict or not, a forced call's arguments follow the schema
+    parameters: dict | None = None  # a JSON schema of an object; none: the function takes no arguments
+    strict: bool | None = None  # a forced call's arguments follow the schema either way; see tool_calls.py
+
+    @model_validator(mode="after")
+    def rendered_as_text(self):
+        """A function is written into the prompt as JSON (by the template, or tool_calls.py) and its
+        arguments are what ``f(**arguments)`` takes: text, and an object."""
+        try:
+            json.dumps(self.model_dump(exclude_none=True), ensure_ascii=False).encode()
+        except UnicodeEncodeError as e:
+            raise ValueError(f"must be valid Unicode text: a lone surrogate at character {e.start} of its JSON") \
+                from None
+        if "type" in (self.parameters or {}) and self.parameters["type"] != "object":
+            raise ValueError(f"parameters must be the JSON schema of an object, got type {self.parameters['type']!r}")
+        return self
 
 
 class Tool(Schema):
@@ -114,7 +127,8 @@ class ChatCompletionRequest(OpenAIRequest):
     top_logprobs: int | None = None  # with logprobs: how many top tokens' logprobs beside each sampled one
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables
     documents: list[dict[str, str]] | None = None  # vLLM's: for a template that reads them (retrieval)
-    chat_template: Annotated[str | None, no_op(None, why="the server's chat template (--chat-template) is the one run")] = None
+    chat_template: Annotated[str | None, no_op(None, why="the server's template (--chat-template) is the one run")] \
+        = None
     add_special_tokens: Annotated[bool, no_op(False, why="the chat template writes the special tokens")] = False
     add_generation_prompt: bool = True  # vLLM's: false leaves the assistant's header out
     continue_final_message: bool = False  # vLLM's: the last message left open, for the model to go on with

@@ -10,6 +10,7 @@ client that disconnects are freed at once. serve.py routes requests here.
 """
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -18,7 +19,7 @@ from itertools import accumulate
 from typing import AsyncIterator, Awaitable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from nanoengine.async_engine import AsyncLLMEngine, EngineError, RequestStream
 from nanoengine.metrics import RequestClock
@@ -111,42 +112,48 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
         if (parser := parsers[index]) is not None:  # streamed: the calls' deltas; whole: the calls
             text, calls = parser.feed(text, final=finish_reason is not None or not req.stream)
             calls = calls if req.stream else parser.calls
-            finish_reason = "tool_calls" if finish_reason == "stop" and parser.calls else finish_reason
+            # "tool_calls" for whole calls: arguments a stop string cut (in "auto") say "stop"
+            finish_reason = "tool_calls" if finish_reason == "stop" and parser.calls and all(
+                is_json(call["function"]["arguments"]) for call in parser.calls) else finish_reason
         if chat and req.stream:
             content = {"delta": {"content": text} if text else {}}
             content["delta"].update({"tool_calls": calls} if calls else {})
         else:
-            message = {"role": role, "content": text, "refusal": None}
+            message = {"role": role, "content": text if text or not tools or not tools.forced else None,
+                       "refusal": None}  # a forced call's output is calls only: no text, none cut short either
             message.update({"content": text or None, "tool_calls": calls} if calls else {})
             content = {"message": message} if chat else {"text": text}
         return {"index": index, "logprobs": logprobs_json, "finish_reason": finish_reason, "stop_reason": stop_reason,
                 **content}
 
-    async def whole() -> JSONResponse:
-        texts, token_logprobs = [[] for _ in range(num_choices)], [[] for _ in range(num_choices)]
-        finish_reasons, stop_reasons = [None] * num_choices, [None] * num_choices
+    async def whole() -> Response:
+        outs, finish_reason = [], None
         try:
             async for out in stream:
                 clock.output(out.step)
-                if out.prompt_logprobs is not None:
-                    scored[out.index // req.n] = out.prompt_logprobs
-                out = echo(out) if echo is not None else out
-                texts[out.index].append(out.text)
-                num_tokens[out.index] += len(out.token_ids)
-                finish_reasons[out.index], stop_reasons[out.index] = out.finish_reason, out.stop_reason
-                token_logprobs[out.index] += out.logprobs or []
+                outs.append(out)
+                finish_reason = out.finish_reason if out.index == 0 and out.finish_reason else finish_reason
         except EngineError:
             clock.finish("error")
             raise
         finally:
             stream.abort()
-            clock.finish(finish_reasons[0] or "abort")  # unfinished: the client left
+            clock.finish(finish_reason or "abort")  # unfinished: the client left
+        # In a worker thread: echoing the prompts, the texts of n samples' top logprobs and their JSON
+        # (megabytes) would hold up every other stream, and /health, for seconds on the event loop.
+        return await asyncio.to_thread(respond, outs)
 
-        # In a worker thread: the texts of n samples' top logprobs and their JSON, megabytes, would
-        # hold up every other stream (and /health) for seconds on the event loop.
-        return await asyncio.to_thread(respond, texts, token_logprobs, finish_reasons, stop_reasons)
-
-    def respond(texts, token_logprobs, finish_reasons, stop_reasons) -> JSONResponse:
+    def respond(outs: list) -> Response:
+        texts, token_logprobs = [[] for _ in range(num_choices)], [[] for _ in range(num_choices)]
+        finish_reasons, stop_reasons = [None] * num_choices, [None] * num_choices
+        for out in outs:
+            if out.prompt_logprobs is not None:
+                scored[out.index // req.n] = out.prompt_logprobs
+            out = echo(out) if echo is not None else out
+            texts[out.index].append(out.text)
+            num_tokens[out.index] += len(out.token_ids)
+            finish_reasons[out.index], stop_reasons[out.index] = out.finish_reason, out.stop_reason
+            token_logprobs[out.index] += out.logprobs or []
         choices = [choice(i, "".join(texts[i]), finish_reasons[i], token_logprobs[i], 0, stop_reasons[i])
                    for i in range(num_choices)]
         if req.prompt_logprobs is not None:  # vLLM's extension: in each choice, or in a chat response
@@ -156,8 +163,8 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
             else:
                 for c in choices:
                     c["prompt_logprobs"] = shaped[c["index"] // req.n]
-        return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                             "usage": usage(), "system_fingerprint": None})  # as vLLM sends it
+        return json_response({**head, "object": "chat.completion" if chat else "text_completion", "usage": usage(),
+                              "system_fingerprint": None}, choices)  # as vLLM sends it
 
     if not req.stream:
         return await unless_disconnected(request, whole())
@@ -206,6 +213,25 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
         yield "data: [DONE]\n\n"
 
     return EventStream(events(), stream)
+
+
+_dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # Starlette's
+
+
+def json_response(fields: dict, choices: list[dict]) -> Response:
+    """A response's JSON, encoded one choice at a time: ``json.dumps`` holds the interpreter's lock
+    for as long as it runs, so on the megabytes of n samples' echoed logprobs one call would stall
+    the event loop for seconds from any thread; between two choices the loop gets its turn."""
+    encoded = [_dumps(c) for c in choices]  # a Python loop: the lock may change hands between calls
+    return Response(f'{_dumps(fields)[:-1]},"choices":[{",".join(encoded)}]}}', media_type="application/json")
+
+
+def is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def completion_logprobs(token_text, logprobs: list[dict[int, float | None]], offset: int) -> dict:

@@ -218,9 +218,10 @@ class Scheduler:
         seq.append_token(token_id, logprobs)
         self.num_generated_tokens += 1
         params, reason = seq.sampling_params, None
-        if seq.grammar is not None and not seq.grammar.consume_token(token_id):
+        if seq.grammar is not None and (not seq.grammar.consume_token(token_id) or seq.grammar.is_error()):
             # The sampler allowed only the grammar's tokens, so its library gave up on the grammar (a
-            # resource limit): this sample ends ("abort", the text without the token), no other does.
+            # resource limit, or no token could go on: it then allows EOS alone): this sample ends
+            # ("abort", the text without the token), no other does.
             logger.warning("request %d: its grammar failed: %s", seq.request_id, seq.grammar.get_error()[:500])
             return "abort"
         at_length = seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len

@@ -121,17 +121,10 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
             raise BadRequest(f"top_logprobs must be in [0, max_logprobs={limit}], got {req.top_logprobs}",
                              "top_logprobs")
         tools = ToolChoice.of(req)
-        try:
-            prompt_ids = await asyncio.to_thread(
-                tools.chat_prompt, engine, [m.for_template() for m in req.messages], req.chat_template_kwargs,
-                add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-                truncate_prompt_tokens=truncation(req), documents=req.documents)
-        except BadRequest:
-            raise
-        except ValueError as e:  # about the prompt the engine makes of the messages, or the template's options
-            field = next((f for f in ("chat_template_kwargs", "continue_final_message") if str(e).startswith(f)),
-                         "messages")
-            raise BadRequest(str(e), field) from None
+        prompt_ids = await asyncio.to_thread(
+            tools.chat_prompt, engine, [m.for_template() for m in req.messages], req.chat_template_kwargs,
+            add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+            truncate_prompt_tokens=truncation(req), documents=req.documents)
         # Unset means "until the context is full", as OpenAI's chat API does; with both set, the newer
         # name wins (max_tokens is deprecated), as in vLLM.
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

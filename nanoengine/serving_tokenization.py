@@ -5,23 +5,25 @@ client checking a prompt against ``max_model_len`` before sending it).
 The fields are vLLM's. ``/tokenize`` takes a ``prompt`` (encoded with ``add_special_tokens``,
 default true, as the completions endpoint encodes a text prompt) or chat ``messages`` (rendered and
 tokenized by the chat template as the chat endpoint does, with ``add_generation_prompt``, default
-true, or ``continue_final_message``) and answers ``count``, ``max_model_len``, ``tokens`` and, with
-``return_token_strs``, each token's string in the vocabulary. A prompt longer than ``max_model_len``
-is tokenized all the same: saying how long it is is the point. ``/detokenize`` takes ``tokens`` and
+true, or ``continue_final_message``; ``tools`` and ``chat_template_kwargs`` too) and answers
+``count``, ``max_model_len``, ``tokens`` and, with ``return_token_strs``, each token's string in the
+vocabulary. A prompt longer than ``max_model_len`` is tokenized all the same: saying how long it is
+is the point (a conversation, up to the characters ``max_model_len`` tokens could hold, as the
+chat endpoint bounds it). ``/detokenize`` takes ``tokens`` and
 answers the ``prompt`` they decode to.
 """
 
 import asyncio
+from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict
 
 from nanoengine.async_engine import AsyncLLMEngine
-from nanoengine.input_processor import check_template_options
-from nanoengine.openai_chat_protocol import ChatMessage
+from nanoengine.openai_chat_protocol import ChatMessage, Tool
 from nanoengine.openai_protocol import BadRequest
+from nanoengine.tool_calls import ToolChoice
 
 
 class TokenizeRequest(BaseModel):
@@ -32,6 +34,8 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True  # text only: the chat template writes a conversation's own
     add_generation_prompt: bool = True  # messages only
     continue_final_message: bool = False  # messages only: the last message left open, as the chat endpoint takes it
+    tools: list[Tool] | None = None  # messages only, rendered as the chat endpoint renders them
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only
     return_token_strs: bool = False
 
 
@@ -44,24 +48,17 @@ class DetokenizeRequest(BaseModel):
 def tokenize(engine: AsyncLLMEngine, req: TokenizeRequest) -> list[int]:
     if (req.prompt is None) == (req.messages is None):
         raise BadRequest("give either prompt (a text) or messages (a conversation)", "prompt")
-    texts = [req.prompt] if req.prompt is not None else [str(m.for_template().get("content")) for m in req.messages]
-    try:  # lone surrogates: not text the tokenizer takes (not bounded: counting a long text is the point)
-        engine.engine.input_processor.check_prompt_text(*texts, bounded=False)
-    except ValueError as e:
-        raise BadRequest(str(e), "prompt" if req.prompt is not None else "messages") from None
     if req.prompt is not None:
+        try:  # lone surrogates: not text the tokenizer takes (not bounded: counting a long text is the point)
+            engine.engine.input_processor.check_prompt_text(req.prompt, bounded=False)
+        except ValueError as e:
+            raise BadRequest(str(e), "prompt") from None
         return engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    try:
-        check_template_options(req.add_generation_prompt, req.continue_final_message)
-    except ValueError as e:
-        raise BadRequest(str(e), "continue_final_message") from None
-    conversation = [m.for_template() for m in req.messages]
-    try:
-        return list(engine.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False,
-                                                         add_generation_prompt=req.add_generation_prompt,
-                                                         continue_final_message=req.continue_final_message))
-    except TemplateError as e:
-        raise BadRequest(f"the chat template rejected the messages: {e}", "messages") from e
+    # As the chat endpoint renders it, tools included, so a client counts what a chat request sends.
+    tools = ToolChoice([tool.model_dump(exclude_none=True) for tool in req.tools or []], "auto", [], True)
+    return tools.chat_prompt(engine, [m.for_template() for m in req.messages], req.chat_template_kwargs,
+                             add_generation_prompt=req.add_generation_prompt,
+                             continue_final_message=req.continue_final_message)
 
 
 def tokenization_router(engine: AsyncLLMEngine) -> APIRouter:

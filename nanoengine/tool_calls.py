@@ -49,12 +49,15 @@ def tool_call_grammar(tools: list[dict], parallel: bool) -> str:
 
 def arguments_schema(function: dict) -> dict:
     """The JSON schema a call's arguments follow: the function's ``parameters`` (none, or an object
-    schema that declares no properties: ``{}``), closed as ``closed_objects`` closes them."""
+    schema that declares no properties: ``{}``), closed as ``closed_objects`` closes them. Unless the
+    function is ``strict``, keywords llguidance lacks (``uniqueItems``, a pydantic ``set``) are
+    ignored rather than refused, as for ``response_format``."""
     schema = function.get("parameters") or {"type": "object"}
     if schema.get("type") == "object" and not schema.keys() & {"properties", "additionalProperties",
                                                                  "patternProperties"}:
         schema = {**schema, "properties": {}}
-    return {**json.loads(closed_objects(json.dumps(schema))), "x-guidance": {"whitespace_flexible": False}}
+    return {**json.loads(closed_objects(json.dumps(schema))),
+            "x-guidance": {"whitespace_flexible": False, "lenient": not function.get("strict")}}
 
 
 @dataclass
@@ -94,11 +97,16 @@ class ToolChoice:
     def chat_prompt(self, engine: AsyncLLMEngine, conversation: list[dict], chat_template_kwargs: dict | None,
                     **options) -> list[int]:
         """The prompt, the tools rendered by the chat template, or, by a template that ignores them,
-        in the system message (``tools_in_system_message``)."""
-        prompt = engine.chat_prompt(conversation, chat_template_kwargs, self.tools or None, **options)
-        if self.tools and prompt == engine.chat_prompt(conversation, chat_template_kwargs, **options):
-            prompt = engine.chat_prompt(tools_in_system_message(conversation, self.tools), chat_template_kwargs,
-                                        **options)
+        in the system message (``tools_in_system_message``); a 400 naming what the engine refused."""
+        try:
+            prompt = engine.chat_prompt(conversation, chat_template_kwargs, self.tools or None, **options)
+            if self.tools and prompt == engine.chat_prompt(conversation, chat_template_kwargs, **options):
+                prompt = engine.chat_prompt(tools_in_system_message(conversation, self.tools), chat_template_kwargs,
+                                            **options)
+        except ValueError as e:  # the prompt the engine makes of the messages, or the template's options
+            field = next((f for f in ("chat_template_kwargs", "continue_final_message") if str(e).startswith(f)),
+                         "messages")
+            raise BadRequest(str(e), field) from None
         return prompt
 
 

@@ -318,6 +318,8 @@ def test_a_bad_request_names_every_bad_field_at_once(server):
     ("completions", {"prompt": "bad \ud800 surrogate"}, "prompt"),
     ("chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
     ("completions", {"prompt": "hi", "request_id": "\ud800"}, "request_id"),  # else in the response's id
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],  # was a 400 naming messages
+                          "tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]}, "tools"),
     ("../tokenize", {"prompt": "\ud800"}, "prompt"),  # were 500s
     ("../tokenize", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
 ])

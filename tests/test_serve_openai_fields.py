@@ -318,7 +318,7 @@ def test_vllms_request_fields_are_honoured_or_refused_saying_why(server, client,
     assert with_bos.usage.prompt_tokens == len(llm.tokenizer.encode("hello"))
     for path, field, value, reason in [("completions", "priority", 1, "first come, first served"),
                                        ("completions", "use_beam_search", True, "LLM.beam_search"),
-                                       ("chat/completions", "chat_template", "{{ x }}", "the model's chat template"),
+                                       ("chat/completions", "chat_template", "{{ x }}", "the server's template (--chat-template)"),
                                        ("chat/completions", "add_special_tokens", True, "the chat template writes"),
                                        ("completions", "cache_salt", "s", "Extra inputs are not permitted")]:
         body = {"messages": AS_SYSTEM} if path.startswith("chat") else {"prompt": "hi"}

@@ -173,8 +173,11 @@ for _ in range(300):  # a schema nested past what the template's renderer recurs
     ({"guided_choice": []}, "guided_choice", "choice must be a non-empty list"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
      "structured_outputs takes exactly one of json, json_object, regex, choice, grammar; got ['regex', 'choice']"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
-      "tool_choice": "required"}, "tools", "the parameters of 'f' are not a JSON schema llguidance accepts: Invalid type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "nonsense"}}}}}], "tool_choice": "required"}, "tools",
+     "the parameters of 'f' are not a JSON schema llguidance accepts: Invalid type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools",
+     "parameters must be the JSON schema of an object, got type 'string'"),  # f(**arguments) takes an object
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}], "tool_choice": "required"},
      "messages", "the chat template rejected the messages: maximum recursion depth"),  # was a 500
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is given with type"),
@@ -230,6 +233,20 @@ def test_a_function_that_declares_no_arguments_is_called_with_none(client, llm, 
                                               tool_choice={"type": "function", "function": {"name": "now"}})
     done = finished(response.choices)
     assert done and all(c.message.tool_calls[0].function.arguments == "{}" for c in done)
+
+
+@pytest.mark.parametrize("strict", [None, False, True])
+def test_a_function_that_is_not_strict_ignores_keywords_llguidance_lacks(served, strict):
+    """instructor's, LangChain's and pydantic-ai's tool modes send a pydantic ``set`` as ``uniqueItems``."""
+    function = {"name": "tag", "parameters": {"type": "object", "required": ["tags"], "properties": {
+        "tags": {"type": "array", "uniqueItems": True, "maxItems": 2, "items": {"enum": CHOICES}}}}}
+    response = httpx.post(f"{served[0]}/v1/chat/completions", timeout=60, json={
+        "messages": ASK, "max_tokens": 48, "tool_choice": "required",
+        "tools": [{"type": "function", "function": {**function, **({"strict": strict} if strict is not None else {})}}]})
+    if strict:
+        assert response.status_code == 400 and "uniqueItems" in response.json()["error"]["message"]
+    else:
+        assert response.status_code == 200, response.text
 
 
 def test_a_schema_that_is_not_strict_ignores_keywords_llguidance_lacks(client):
@@ -314,6 +331,27 @@ def test_auto_renders_the_tools_and_parses_a_hermes_call_whole_and_streamed(clie
     chunks = list(client.chat.completions.create(stream=True, **request))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Let me check."
     assert streamed_calls(chunks)[:2] == ([(name, message.tool_calls[0].function.arguments)], "tool_calls")
+
+
+def test_a_call_a_stop_string_cut_in_auto_says_stop_and_a_forced_one_cut_has_no_content(client):
+    request = dict(model="tiny", messages=ASK, tools=TOOLS, seed=8, **SAMPLED, extra_body={"guided_regex": HERMES_OUTPUT})
+    cut = client.chat.completions.create(**request, stop=["celsius"]).choices[0]
+    assert cut.message.tool_calls and not cut.message.tool_calls[0].function.arguments.endswith("}")
+    assert cut.finish_reason == "stop"  # not "tool_calls": its arguments are not whole
+    forced = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=3,
+                                            tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert forced.choices[0].finish_reason == "length" and forced.choices[0].message.content is None
+    assert not forced.choices[0].message.tool_calls
+
+
+def test_tokenize_counts_a_conversation_with_tools_as_the_chat_endpoint_renders_it(served, llm, tiny_models):
+    url, _ = served
+    tokens = httpx.post(f"{url}/tokenize", json={"messages": ASK, "tools": TOOLS}, timeout=30).json()["tokens"]
+    assert tokens == llm.chat_prompt(ASK, tools=TOOLS) != llm.chat_prompt(ASK)
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "max_tokens": 1}, timeout=30)
+    assert chat.json()["usage"]["prompt_tokens"] == len(tokens)
+    refused = httpx.post(f"{url}/tokenize", json={"messages": ASK, "chat_template_kwargs": {"messages": []}}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
 
 
 def test_a_template_that_ignores_tools_gets_them_in_the_system_message_and_none_renders_none(tiny_models):

@@ -188,6 +188,15 @@ def test_a_grammar_the_library_gives_up_on_mid_answer_ends_only_its_own_request(
     assert not llm.has_unfinished_requests() and llm.stats()["kvcache_blocks_in_use"] == 0
 
 
+def test_a_grammar_that_leaves_no_token_to_go_on_with_is_an_abort_not_a_stop(llm, caplog):
+    """A property whose schema is itself: after '{"a":' nothing can follow, and the library allows EOS
+    alone. Sampled, that EOS is no "stop" (whose output matches): the sample ends "abort"."""
+    itself = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}
+    params = SamplingParams(max_tokens=16, structured_outputs=StructuredOutputsParams(json=itself))
+    (output,) = llm.generate(["Write:"], params, use_tqdm=False)
+    assert output["finish_reason"] == "abort" and output["text"] == '{"a":' and "its grammar failed" in caplog.text
+
+
 def test_an_object_takes_only_its_declared_properties_unless_its_schema_allows_others(llm):
     """vLLM's default backend reads a schema strictly, as OpenAI's strict mode does: a client that
     calls f(**arguments) gets the arguments it declared. A schema that allows others keeps them."""

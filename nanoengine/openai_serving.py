@@ -113,8 +113,7 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
             text, calls = parser.feed(text, final=finish_reason is not None or not req.stream)
             calls = calls if req.stream else parser.calls
             # "tool_calls" for whole calls: arguments a stop string cut (in "auto") say "stop"
-            finish_reason = "tool_calls" if finish_reason == "stop" and parser.calls and all(
-                is_json(call["function"]["arguments"]) for call in parser.calls) else finish_reason
+            finish_reason = "tool_calls" if finish_reason == "stop" and parser.calls and parser.whole else finish_reason
         if chat and req.stream:
             content = {"delta": {"content": text} if text else {}}
             content["delta"].update({"tool_calls": calls} if calls else {})
@@ -224,14 +223,6 @@ def json_response(fields: dict, choices: list[dict]) -> Response:
     the event loop for seconds from any thread; between two choices the loop gets its turn."""
     encoded = [_dumps(c) for c in choices]  # a Python loop: the lock may change hands between calls
     return Response(f'{_dumps(fields)[:-1]},"choices":[{",".join(encoded)}]}}', media_type="application/json")
-
-
-def is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
 
 
 def completion_logprobs(token_text, logprobs: list[dict[int, float | None]], offset: int) -> dict:

@@ -75,6 +75,17 @@ class ToolCallParser:
         self.dropping = False  # the current call is one past the first, and parallel is false
         self.depth, self.in_string, self.escaped = 0, False, False  # where the arguments' JSON is
 
+    @property
+    def whole(self) -> bool:
+        """Whether every call's arguments are JSON: none cut short (by ``max_tokens``, or a stop
+        string in ``"auto"``) or written wrong by the model."""
+        try:
+            for call in self.calls:
+                json.loads(call["function"]["arguments"])
+        except ValueError:
+            return False
+        return True
+
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         self.pending += text
         content, deltas = [], []

@@ -96,3 +96,14 @@ def test_every_call_has_its_own_id():
     parser = ToolCallParser()
     parser.feed(QWEN, final=True)
     assert len({call["id"] for call in parser.calls}) == 2
+
+
+@pytest.mark.parametrize("text, whole", [
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', True),
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1', False),  # cut short
+    ('<tool_call>\n{"name": "f", "arguments": {"a": }}\n</tool_call>', False),  # nested right, not JSON
+])
+def test_a_call_is_whole_only_if_its_arguments_are_json(text, whole):
+    parser = ToolCallParser()
+    parser.feed(text, final=True)
+    assert len(parser.calls) == 1 and parser.whole is whole

@@ -28,7 +28,7 @@ def _requested(req: OpenAIRequest, tool_grammar: str | None) -> dict[str, tuple[
     elif req.response_format is not None and req.response_format.type == "json_schema":
         schema = req.response_format.json_schema.schema_
         if not req.response_format.json_schema.strict:  # keywords llguidance lacks (uniqueItems) are ignored
-            schema = {**schema, "x-guidance": {"whitespace_flexible": False, "lenient": True}}
+            schema = {**schema, "x-guidance": {"lenient": True}}  # merged with the compile's own options
         asked["response_format"] = {"json": schema}, "response_format.json_schema.schema"
     if req.structured_outputs is not None:
         keywords = req.structured_outputs.model_dump(exclude_defaults=True, by_alias=True)

@@ -316,7 +316,7 @@ def main():
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     s = {k: v - before[k] for k, v in llm.stats().items() if k in before and k.endswith(("tokens", "seconds", "steps",
-                                                                                          "preemptions", "drafts"))}
+                                                                                          "seqs", "preemptions", "drafts"))}
     total = s["generated_tokens"]  # the output lengths, or fewer where EOS or a grammar ended a request
     results = {
         "dtype": str(llm.model_runner.dtype).removeprefix("torch."),
@@ -326,7 +326,7 @@ def main():
         # 0 where a run had no such step (a one-token output never decodes)
         "prefill_tok_per_s": s["prefill_tokens"] / s["prefill_seconds"] if s["prefill_seconds"] else 0.0,
         "decode_tok_per_s": s["decode_tokens"] / s["decode_seconds"] if s["decode_seconds"] else 0.0,
-        "mean_decode_batch": s["decode_tokens"] / max(s["decode_steps"], 1),
+        "mean_decode_batch": s["decode_seqs"] / max(s["decode_steps"], 1),
         "num_preemptions": s["num_preemptions"],
         "prefix_cache_hit_rate": s["prefix_cache_hit_tokens"] / max(s["prompt_tokens"], 1),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,

@@ -2,6 +2,7 @@
 
 from nanoengine.engine import LLMEngine
 from nanoengine.llm import LLM
+from nanoengine.pooler import PoolingParams
 from nanoengine.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "PoolingParams"]

@@ -24,7 +24,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from nanoengine.engine import LLMEngine
+from nanoengine.pooler import PoolingParams
 from nanoengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -51,6 +54,7 @@ class RequestOutput:
     # In a sample's first output, if the request asked: per prompt token {token_id: logprob} (None first).
     prompt_logprobs: list[dict[int, float] | None] | None = None
     stop_reason: int | str | None = None  # with "stop": the stop string or stop_token_ids id, as in vLLM
+    pooled: torch.Tensor | None = None  # a pooling request's one output: its vector, no tokens (pooler.py)
 
 
 class RequestStream:
@@ -148,9 +152,12 @@ class AsyncLLMEngine:
         """Queue a request; a bad one raises ``ValueError`` here, before any output exists."""
         return await self.add_requests([prompt_token_ids], sampling_params)
 
-    async def add_requests(self, prompts: list[list[int]], sampling_params: SamplingParams) -> RequestStream:
-        """Queue a request per prompt, all or none, with one stream for all their outputs."""
-        stream = RequestStream(self, asyncio.get_running_loop(), len(prompts) * sampling_params.n)
+    async def add_requests(self, prompts: list[list[int]],
+                           sampling_params: SamplingParams | PoolingParams) -> RequestStream:
+        """Queue a request per prompt, all or none, with one stream for all their outputs (with
+        ``PoolingParams``, one output each: its vector)."""
+        n = 1 if isinstance(sampling_params, PoolingParams) else sampling_params.n
+        stream = RequestStream(self, asyncio.get_running_loop(), len(prompts) * n)
         try:
             await self._call(lambda: self._add(stream, prompts, sampling_params))
         except asyncio.CancelledError:  # the caller left while the request was being queued
@@ -255,7 +262,10 @@ class AsyncLLMEngine:
                 continue
             self._num_steps += 1
             for seq in seqs:
-                if (stream := self._streams.get(seq.request_id)) is not None:
+                if (stream := self._streams.get(seq.request_id)) is not None and seq.pooling_params is not None:
+                    self._deliver(stream, RequestOutput(stream.prompt_index[seq.request_id], [], "", None,
+                                                        seq.finish_reason, self._num_steps, pooled=seq.pooled))
+                elif stream is not None:
                     new = seq.num_new_tokens  # 1, or more where speculative drafts were accepted
                     logprobs = None if seq.logprobs is None else seq.logprobs[-new:]
                     index = stream.prompt_index[seq.request_id] * seq.sampling_params.n + seq.sample_index

@@ -41,10 +41,10 @@ class AttentionBackend:
 
 def get_backend(kernels: str, device: torch.device, learner_mode: bool = False) -> AttentionBackend:
     """The functions of ``kernels`` ("flash-attn", "triton", "cpu" or "torch"; Config.attention_kernels)."""
-    # On CUDA the store is always Triton's: the torch store's mask syncs with the host, breaking graphs.
+    if learner_mode:  # pure torch on any device: no graphs run, so the torch store's host sync breaks nothing
+        return AttentionBackend(store_kvcache_torch, flash_attn_varlen_func_torch, flash_attn_with_kvcache_plain)
+    # Otherwise on CUDA the store is always Triton's: the torch store's mask syncs with the host, breaking graphs.
     store = store_kvcache_triton if device.type == "cuda" or kernels == "triton" else store_kvcache_torch
-    if learner_mode:
-        return AttentionBackend(store, flash_attn_varlen_func_torch, flash_attn_with_kvcache_plain)
     if kernels == "cpu":
         return AttentionBackend(store_kvcache_cpu, flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu)
     if kernels == "torch":
@@ -56,12 +56,21 @@ def get_backend(kernels: str, device: torch.device, learner_mode: bool = False) 
 
 
 class Attention(nn.Module):
-    """One layer's attention; the model runner binds its cache slices and backend."""
+    """One layer's attention; the model runner binds its cache slices and backend.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    ``scale`` defaults to head_dim ** -0.5; ``sliding_window`` (HF's: a query sees itself and the
+    ``sliding_window - 1`` keys before it, flash-attn's left window of ``sliding_window - 1``) and
+    ``softcap`` are for the families that have them (model_families.py). The keys left of a window
+    stay in the cache: attention only skips them.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 sliding_window: int | None = None, softcap: float = 0.0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = scale or head_dim ** -0.5
+        self.window_size = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+        self.softcap = softcap
         self.k_cache = self.v_cache = torch.empty(0)
         self.backend = get_backend("cpu", torch.device("cpu"))
 
@@ -74,8 +83,10 @@ class Attention(nn.Module):
             return self.backend.flash_attn_varlen_func(
                 q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
                 max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
-                softmax_scale=self.scale, causal=True, block_table=ctx.block_tables)
+                softmax_scale=self.scale, causal=True, block_table=ctx.block_tables,
+                window_size=self.window_size, softcap=self.softcap)
         out = self.backend.flash_attn_with_kvcache(
             q.unsqueeze(1), self.k_cache, self.v_cache, cache_seqlens=ctx.context_lens,
-            block_table=ctx.block_tables, softmax_scale=self.scale, causal=True)
+            block_table=ctx.block_tables, softmax_scale=self.scale, causal=True, window_size=self.window_size,
+            softcap=self.softcap)
         return out.squeeze(1)

@@ -5,14 +5,18 @@ out-of-range option fails here with a ``ValueError`` instead of deep inside a st
 """
 
 import importlib.util
+import logging
 from dataclasses import dataclass, field, fields
 
 import torch
 
+from nanoengine.pooler import PoolerConfig, load_pooler_config
 from nanoengine.sampling_params import is_int, is_number
 from nanoengine.spec_decode import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
+
+logger = logging.getLogger(__name__)
 
 
 def _triton_interprets() -> bool:
@@ -98,6 +102,11 @@ class Config:
     # Seeds the random draws of requests without a seed of their own (vLLM's engine seed), so a
     # run repeats; a request's own seed still wins. None: different draws every run.
     seed: int | None = None
+    # vLLM's: "generate" (tokens), or "pooling", a vector per prompt (LLM.embed, /v1/embeddings:
+    # pooler.py), pooled as pooler_config says ({"pooling_type": "LAST" | "MEAN" | "CLS", "normalize":
+    # bool}; a field left unset is the model's).
+    runner: str = "generate"
+    pooler_config: PoolerConfig | dict | None = None
     # Set by resolve_limits: whether max_model_len was left to default (it may then shrink to fit the cache).
     max_model_len_is_default: bool = field(default=False, init=False, repr=False)
 
@@ -153,6 +162,18 @@ class Config:
         self._check_attention_backend()
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        self._check_runner()
+
+    def _check_runner(self) -> None:
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner must be 'generate' or 'pooling', got {self.runner!r}")
+        if self.runner == "generate" and self.pooler_config is not None:
+            raise ValueError("pooler_config is for runner='pooling', which a generating engine is not: "
+                             "pass runner='pooling' too, or leave pooler_config unset")
+        if self.runner == "pooling" and self.speculative_config is not None:
+            raise ValueError("speculative_config drafts tokens, and runner='pooling' generates none: leave it unset")
+        if self.pooler_config is not None:
+            self.pooler_config = PoolerConfig.from_dict(self.pooler_config)
 
     def _check_attention_backend(self) -> None:
         """A backend that cannot run here is refused now, with what would make it run."""
@@ -211,6 +232,18 @@ class Config:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context length {model_max_len}")
         self.max_model_len_is_default = self.max_model_len is None
         self.max_model_len = self.max_model_len or min(4096, model_max_len)
+
+    def resolve_pooler(self, path: str) -> None:
+        """With runner="pooling", the pooler the checkpoint at ``path`` says, under the user's
+        pooler_config (pooler.py). MEAN and CLS need the hidden states of every prompt position,
+        which a prefix-cache hit does not compute: with them nothing is read back from it (vLLM's rule)."""
+        if self.runner != "pooling":
+            return
+        self.pooler_config = load_pooler_config(path, self.pooler_config)
+        if self.pooler_config.pooling_type != "LAST" and self.enable_prefix_caching:
+            logger.info("%s pooling needs every prompt position computed: prefix caching is off",
+                        self.pooler_config.pooling_type)
+            self.enable_prefix_caching = False
 
     def fit_to_kvcache(self, num_kvcache_blocks: int, block_size: int) -> None:
         """Make sure every admissible sequence can be served by the cache and the token budget.

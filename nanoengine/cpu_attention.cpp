@@ -25,6 +25,10 @@
 //   prefill       q, out T [num_tokens, num_heads, HEAD_DIM], sequence b's queries at rows
 //                 cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1, the last of them at its last key's position
 // except that q's tokens are q_stride elements apart: q is a view into the qkv projection's output.
+// Two options of flash-attn's, for Mistral's and Gemma's layers: window_left >= 0 (window_size's
+// left) lets a query at position p see only the keys p - window_left .. p; softcap > 0 caps each
+// scaled score at softcap * tanh(score / softcap). Both act on a row's softmax only
+// (softmax_in_place), once per row, so a layer without them runs the same loops as before.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -74,6 +78,24 @@ static void for_each_token(const T* cache, const int32_t* blocks, int seqlen, in
       fn(t, slot);
     }
   }
+}
+
+// The softmax of one row of scores, s[first .. n), in place: exp(s - max) (unnormalised), with
+// s[0 .. first) (keys left of the window) set to 0. Returns the sum; max is the largest score.
+// The soft cap is a pass of its own, so that a row without one runs the plain loops.
+static inline float softmax_in_place(float* s, int first, int n, float softcap, float& max) {
+  if (softcap > 0.f)
+    for (int t = first; t < n; t++) s[t] = softcap * std::tanh(s[t] / softcap);
+  max = *std::max_element(s + first, s + n);
+  float sum = 0.f;
+  std::fill(s, s + first, 0.f);
+  for (int t = first; t < n; t++) sum += s[t] = std::exp(s[t] - max);
+  return sum;
+}
+
+// The first key a query at position pos sees: 0, or with a window the first inside it.
+static inline int first_key(int pos, int window_left) {
+  return window_left < 0 ? 0 : std::max(0, pos - window_left);
 }
 
 // Every entry point checks its index arguments before following any (O(batch * max_blocks)
@@ -140,10 +162,11 @@ static inline ValueVec sum_each(ValueVec* v) {
 // are summed in vectors, then across them at once (sum_each). Values: each query head's sums stay
 // in registers over the chunk. Against plain loops over d, which the compiler left with a
 // horizontal sum per score and the sums in memory: batch 1, 192 tokens, 30 layers, 1.72 -> 1.39 ms.
+// Keys before `first` (left of a sliding window) get probability 0.
 template <typename T, typename O>
 static void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int seqlen, int block_size,
-                   int num_heads, int num_kv_heads, size_t slot_size, float scale, std::vector<float>& scores,
-                   O* out, float* lse = nullptr) {
+                   int num_heads, int num_kv_heads, size_t slot_size, float scale, int first, float softcap,
+                   std::vector<float>& scores, O* out, float* lse = nullptr) {
   constexpr int C = D / LANES;  // vectors per head
   const int group = num_heads / num_kv_heads, padded = (seqlen + LANES - 1) / LANES * LANES;
   const size_t row_size = size_t(num_kv_heads) * D;
@@ -176,10 +199,8 @@ static void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t
     }
   });
   for (int g = 0; g < num_heads; g++) {
-    float* s = &scores[size_t(g) * padded];
-    const float max = *std::max_element(s, s + seqlen);
-    float sum = 0.f;
-    for (int t = 0; t < seqlen; t++) sum += s[t] = std::exp(s[t] - max);
+    float max;
+    const float sum = softmax_in_place(&scores[size_t(g) * padded], first, seqlen, softcap, max);
     inverse_sum[g] = 1.f / sum;
     if (lse) lse[g] = max + std::log(sum);  // the log of the softmax's denominator
   }
@@ -270,12 +291,12 @@ struct ChunkPrefetch {
 
 static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* blocks,
                    int seqlen, int block_size, int num_heads, int num_kv_heads, size_t slot_size, float scale,
-                   std::vector<float>& scores, uint16_t* out) {
+                   int first, float softcap, std::vector<float>& scores, uint16_t* out) {
   constexpr int C = D / 32;  // vectors of 32 bfloat16 per head
   constexpr int MAX_HEADS = 64;
   if (num_heads > MAX_HEADS)
     return attend<uint16_t>(q, k_cache, v_cache, blocks, seqlen, block_size, num_heads, num_kv_heads, slot_size,
-                            scale, scores, out);
+                            scale, first, softcap, scores, out);
   const int group = num_heads / num_kv_heads, padded = (seqlen + 15) / 16 * 16;
   const size_t row_size = size_t(num_kv_heads) * D;
   thread_local std::vector<uint16_t> probs_buffer;
@@ -312,9 +333,8 @@ static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
   ahead.some(ahead.lines);
   for (int g = 0; g < num_heads; g++) {
     float* s = &scores[size_t(g) * padded];
-    const float max = *std::max_element(s, s + seqlen);
-    float sum = 0.f;
-    for (int t = 0; t < seqlen; t++) sum += s[t] = std::exp(s[t] - max);
+    float max;
+    const float sum = softmax_in_place(s, first, seqlen, softcap, max);
     std::fill(s + seqlen, s + padded, 0.f);
     inverse_sum[g] = 1.f / sum;
     std::fill(acc[g], acc[g] + 2 * C, _mm512_setzero_ps());
@@ -378,7 +398,7 @@ static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
 template <typename T>
 static int decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
                   const int32_t* seqlens, T* out, int batch, int max_blocks, int num_blocks, int block_size,
-                  int num_heads, int num_kv_heads, float scale, int num_threads) {
+                  int num_heads, int num_kv_heads, float scale, int window_left, float softcap, int num_threads) {
   if (int error = check_block_table(block_table, batch, max_blocks, num_blocks)) return error;
   for (int i = 0; i < batch; i++)
     if (seqlens[i] < 0 || seqlens[i] > int64_t(max_blocks) * block_size) return BAD_SEQLEN;
@@ -402,20 +422,23 @@ static int decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
       const T* v = v_cache + part * kv_heads * D;
       const int32_t* blocks = block_table + size_t(i) * max_blocks;
       const size_t slot_size = size_t(num_kv_heads) * D;
+      const int window_first = first_key(seqlens[i] - 1, window_left);  // the query sits at the last key
       if (splits == 1) {
         T* o = out + (size_t(i) * num_heads + part * heads) * D;
         if (seqlens[i] == 0)  // a padded batch row: zeros, as flash-attn gives
           std::fill(o, o + heads * D, T(0));
         else
-          attend(qh, k, v, blocks, seqlens[i], block_size, heads, kv_heads, slot_size, scale, scores, o);
+          attend(qh, k, v, blocks, seqlens[i], block_size, heads, kv_heads, slot_size, scale, window_first, softcap,
+                 scores, o);
         continue;
       }
       const int split_blocks = ((seqlens[i] + block_size - 1) / block_size + splits - 1) / splits;
       const int first = split * split_blocks * block_size;  // the split's first token
-      if (first >= seqlens[i]) continue;
+      const int length = std::min(seqlens[i] - first, split_blocks * block_size);
+      if (first >= seqlens[i] || first + length <= window_first) continue;  // no keys, or all left of the window
       const size_t row = (size_t(i) * splits + split) * num_heads + part * heads;
-      attend(qh, k, v, blocks + split * split_blocks, std::min(seqlens[i] - first, split_blocks * block_size),
-             block_size, heads, kv_heads, slot_size, scale, scores, &split_out[row * D], &split_lse[row]);
+      attend(qh, k, v, blocks + split * split_blocks, length, block_size, heads, kv_heads, slot_size, scale,
+             std::max(0, window_first - first), softcap, scores, &split_out[row * D], &split_lse[row]);
     }
   }
   for (int i = 0; i < batch && splits > 1; i++)
@@ -439,8 +462,8 @@ static int decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
 template <typename T>
 static void prefill_head(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* blocks,
                          int q_start, int lq, int seqlen, int block_size, int num_heads, int num_kv_heads, float scale,
-                         bool causal, int kv_head, T* out, std::vector<float>& keys, std::vector<float>& values,
-                         std::vector<float>& scores) {
+                         bool causal, int window_left, float softcap, int kv_head, T* out, std::vector<float>& keys,
+                         std::vector<float>& values, std::vector<float>& scores) {
   const int group = num_heads / num_kv_heads;
   const int padded = (seqlen + KEYS - 1) / KEYS * KEYS;
   keys.assign(size_t(padded) * D, 0.f);  // blocks of KEYS keys, each transposed: [padded / KEYS][D][KEYS]
@@ -456,15 +479,16 @@ static void prefill_head(const T* q, int64_t q_stride, const T* k_cache, const T
   for (int row0 = 0; row0 < lq * group; row0 += ROWS) {
     const int rows = std::min(ROWS, lq * group - row0);
     alignas(64) float qf[ROWS][D] = {};  // rows past the end stay zero; their scores are discarded
-    int last_key[ROWS];                  // the causal mask: row r sees keys 0 .. last_key[r]
+    int first[ROWS], last_key[ROWS];     // the mask: row r sees keys first[r] .. last_key[r]
     for (int r = 0; r < ROWS; r++) {
       const int row = row0 + std::min(r, rows - 1), i = row / group, head = kv_head * group + row % group;
       if (r < rows)
         for (int d = 0; d < D; d++) qf[r][d] = to_float(q[(q_start + i) * q_stride + head * D + d]) * scale;
       last_key[r] = causal ? seqlen - lq + i : seqlen - 1;
+      first[r] = first_key(seqlen - lq + i, window_left);
     }
     // Scores of the whole tile, KEYS keys at a time: ROWS vectors of KEYS scores stay in registers.
-    for (int k0 = 0; k0 <= last_key[ROWS - 1]; k0 += KEYS) {
+    for (int k0 = first[0] / KEYS * KEYS; k0 <= last_key[ROWS - 1]; k0 += KEYS) {
       KeyVec s[ROWS] = {};
       for (int d = 0; d < D; d++) {
         KeyVec key;
@@ -478,11 +502,10 @@ static void prefill_head(const T* q, int64_t q_stride, const T* k_cache, const T
     for (int r = 0; r < rows; r++) {
       float* p = &scores[size_t(r) * padded];
       const int n = last_key[r] + 1;
-      const float max = *std::max_element(p, p + n);
-      float sum = 0.f;
-      for (int j = 0; j < n; j++) sum += p[j] = std::exp(p[j] - max);
+      float max;
+      const float sum = softmax_in_place(p, first[r], n, softcap, max);
       ValueVec acc[D / LANES] = {};
-      for (int j = 0; j < n; j++)
+      for (int j = first[r]; j < n; j++)
         for (int c = 0; c < D / LANES; c++) {
           ValueVec value;
           std::memcpy(&value, &values[size_t(j) * D + c * LANES], sizeof value);
@@ -660,7 +683,7 @@ template <typename T>
 static int prefill(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
                    const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, T* out, int batch, int num_tokens,
                    int max_blocks, int num_blocks, int block_size, int num_heads, int num_kv_heads, float scale,
-                   int causal, int num_threads) {
+                   int causal, int window_left, float softcap, int num_threads) {
   if (cu_seqlens_q[0] != 0 || cu_seqlens_q[batch] != num_tokens || cu_seqlens_k[0] != 0) return BAD_CU_SEQLENS_Q;
   for (int b = 0; b < batch; b++) {
     const int64_t lq = int64_t(cu_seqlens_q[b + 1]) - cu_seqlens_q[b];
@@ -674,7 +697,8 @@ static int prefill(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
     std::vector<float> keys, values, scores;  // per thread, reused across its tasks
 #ifdef AMX_PREFILL
     AmxScratch scratch;
-    const bool amx = std::is_same_v<T, uint16_t> && amx_granted();
+    // AMX's softmax has neither a window nor a soft cap: those layers take prefill_head.
+    const bool amx = std::is_same_v<T, uint16_t> && window_left < 0 && softcap == 0.f && amx_granted();
     if (amx) configure_tiles();
 #endif
 #pragma omp for schedule(dynamic) collapse(2)
@@ -685,7 +709,7 @@ static int prefill(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
         const int32_t* blocks = block_table + size_t(b) * max_blocks;
         if (lq == 1)
           attend(q + q_start * q_stride + h * group * D, k_cache + h * D, v_cache + h * D, blocks, lk, block_size,
-                 group, 1, size_t(num_kv_heads) * D, scale, scores,
+                 group, 1, size_t(num_kv_heads) * D, scale, first_key(lk - 1, window_left), softcap, scores,
                  out + (size_t(q_start) * num_heads + h * group) * D);
         else {
 #ifdef AMX_PREFILL
@@ -697,7 +721,7 @@ static int prefill(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
             }
 #endif
           prefill_head(q, q_stride, k_cache, v_cache, blocks, q_start, lq, lk, block_size, num_heads, num_kv_heads,
-                       scale, causal, h, out, keys, values, scores);
+                       scale, causal, window_left, softcap, h, out, keys, values, scores);
         }
       }
 #ifdef AMX_PREFILL
@@ -711,29 +735,34 @@ static int prefill(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
 extern "C" {
 int decode_bfloat16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                     const int32_t* block_table, const int32_t* seqlens, uint16_t* out, int batch, int max_blocks,
-                    int num_blocks, int block_size, int num_heads, int num_kv_heads, float scale, int num_threads) {
+                    int num_blocks, int block_size, int num_heads, int num_kv_heads, float scale, int window_left,
+                    float softcap, int num_threads) {
   return decode(q, q_stride, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, num_blocks, block_size,
-                num_heads, num_kv_heads, scale, num_threads);
+                num_heads, num_kv_heads, scale, window_left, softcap, num_threads);
 }
 int decode_float32(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                    const int32_t* block_table, const int32_t* seqlens, float* out, int batch, int max_blocks,
-                   int num_blocks, int block_size, int num_heads, int num_kv_heads, float scale, int num_threads) {
+                   int num_blocks, int block_size, int num_heads, int num_kv_heads, float scale, int window_left,
+                   float softcap, int num_threads) {
   return decode(q, q_stride, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, num_blocks, block_size,
-                num_heads, num_kv_heads, scale, num_threads);
+                num_heads, num_kv_heads, scale, window_left, softcap, num_threads);
 }
 int prefill_bfloat16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                      const int32_t* block_table, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
                      uint16_t* out, int batch, int num_tokens, int max_blocks, int num_blocks, int block_size,
-                     int num_heads, int num_kv_heads, float scale, int causal, int num_threads) {
+                     int num_heads, int num_kv_heads, float scale, int causal, int window_left, float softcap,
+                     int num_threads) {
   return prefill(q, q_stride, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, out, batch, num_tokens,
-                 max_blocks, num_blocks, block_size, num_heads, num_kv_heads, scale, causal, num_threads);
+                 max_blocks, num_blocks, block_size, num_heads, num_kv_heads, scale, causal, window_left, softcap,
+                 num_threads);
 }
 int prefill_float32(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                     const int32_t* block_table, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, float* out,
                     int batch, int num_tokens, int max_blocks, int num_blocks, int block_size, int num_heads,
-                    int num_kv_heads, float scale, int causal, int num_threads) {
+                    int num_kv_heads, float scale, int causal, int window_left, float softcap, int num_threads) {
   return prefill(q, q_stride, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, out, batch, num_tokens,
-                 max_blocks, num_blocks, block_size, num_heads, num_kv_heads, scale, causal, num_threads);
+                 max_blocks, num_blocks, block_size, num_heads, num_kv_heads, scale, causal, window_left, softcap,
+                 num_threads);
 }
 }
 

@@ -1,12 +1,12 @@
 """nanoengine's CPU kernels as Python functions: each checks its inputs, then calls the C++.
 
-On CUDA, attention is flash-attn. On CPU, pure torch has no way to read the paged cache in place
-for decode (the gather it needs instead roughly triples the step's memory traffic), torch's SDPA
-is slow at prefill's short prompts (cpu_attention.cpp), the decoder's element-wise ops cost
-more to launch than to compute at decode batch sizes (cpu_layers.cpp), and torch's bf16 matmul
-reads a decode step's weights slower than memory allows (cpu_linear.cpp), and nothing in torch
-reads quantized weights at the speed their bytes allow (cpu_quantized_linear.cpp). cpu_library.py
-builds and loads them.
+On CUDA, attention is flash-attn's or the Triton kernels' (triton_attention.py). On CPU, pure
+torch has no way to read the paged cache in place for decode (the gather it needs instead roughly
+triples the step's memory traffic), torch's SDPA is slow at prefill's short prompts
+(cpu_attention.cpp), the decoder's element-wise ops cost more to launch than to compute at decode
+batch sizes (cpu_layers.cpp), torch's bf16 matmul reads a decode step's weights slower than
+memory allows (cpu_linear.cpp), and nothing in torch reads quantized weights at the speed their
+bytes allow (cpu_quantized_linear.cpp). cpu_library.py builds and loads them.
 
 C++ trusts every pointer and size it is handed, so every argument is checked before the work,
 where it is cheapest to check: metadata (device, dtype, shape, strides) here, as it is a few
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from nanoengine import quantization
 from nanoengine.cpu_library import load
 from nanoengine.store_kvcache import store_kvcache_torch
-from nanoengine.torch_attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
+from nanoengine.torch_attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch, window_left
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}  # a kernel for each
 _FLOATS = tuple(DTYPES)
@@ -120,12 +120,13 @@ def store_kvcache_cpu(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               softmax_scale=None, causal=False, block_table=None):
+                               softmax_scale=None, causal=False, block_table=None, window_size=(-1, -1), softcap=0.0):
     """``flash_attn_varlen_func`` on CPU (prefill), by the C++ kernel; same arguments and semantics.
 
     A float16 cache, or no compiler, goes to the pure-torch reference instead.
     """
     _check("q", q, _ATTENTION_FLOATS, (None, None, None))
+    left = window_left(window_size, causal)
     num_tokens, num_heads, head_dim = q.shape
     if block_table is None:
         _check("k", k, (q.dtype,), (None, None, head_dim))
@@ -144,7 +145,7 @@ def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     if library is None:
         _check_prefill_ranges(num_tokens, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, block_table)
         return flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                            softmax_scale, causal, block_table)
+                                            softmax_scale, causal, block_table, window_size, softcap)
     cu_k = cu_seqlens_k.int().contiguous()
     packed = block_table is None
     if packed:
@@ -160,7 +161,7 @@ def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     code = getattr(library, "prefill_" + DTYPES[q.dtype])(
         q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), tables.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(),
         out.data_ptr(), batch, num_tokens, tables.shape[1], k.shape[0], k.shape[1], num_heads, k.shape[2],
-        softmax_scale or head_dim ** -0.5, int(causal), torch.get_num_threads())
+        softmax_scale or head_dim ** -0.5, int(causal), left, softcap, torch.get_num_threads())
     if code:
         raise _prefill_error(code, num_tokens, k, max_seqlen_k, block_table, packed)
     return out
@@ -196,13 +197,15 @@ def _check_prefill_ranges(num_tokens, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_
         _check_block_table(block_table, seqlens_k, k, "cu_seqlens_k")
 
 
-def flash_attn_with_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=False):
+def flash_attn_with_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=False,
+                                window_size=(-1, -1), softcap=0.0):
     """``flash_attn_with_kvcache`` for decode on CPU (one query per sequence), by the C++ kernel.
 
     Cases the kernel does not cover (several queries per sequence, a float16 cache, no compiler)
     go to the pure-torch reference, which has the same semantics.
     """
     _check("q", q, _ATTENTION_FLOATS, (None, None, None, None))
+    left = window_left(window_size, causal)
     batch, seqlen_q, num_heads, head_dim = q.shape
     _check_caches(k_cache, v_cache, (q.dtype,), head_dim)
     _check_heads(num_heads, k_cache.shape[2])
@@ -211,14 +214,15 @@ def flash_attn_with_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, block_table,
     library = load("cpu_attention.cpp", head_dim) if seqlen_q == 1 and q.dtype in DTYPES else None
     if library is None:
         _check_block_table(block_table, cache_seqlens, k_cache, "cache_seqlens")
-        return flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal)
+        return flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal,
+                                             window_size, softcap)
     q, k_cache, v_cache = _heads_contiguous(q), k_cache.contiguous(), v_cache.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype)
     tables, seqlens = block_table.int().contiguous(), cache_seqlens.int().contiguous()
     code = getattr(library, "decode_" + DTYPES[q.dtype])(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), seqlens.data_ptr(),
         out.data_ptr(), batch, tables.shape[1], k_cache.shape[0], k_cache.shape[1], num_heads, k_cache.shape[2],
-        softmax_scale or head_dim ** -0.5, torch.get_num_threads())
+        softmax_scale or head_dim ** -0.5, left, softcap, torch.get_num_threads())
     if code:
         raise _block_table_error(code, block_table, k_cache, "cache_seqlens")
     return out

@@ -42,8 +42,8 @@ _LAYERS_SIGNATURES = {  # the same for the bfloat16 and float32 kernels
     "rotary": [_P, _P, _I64, _I64, _I, _I, _I, _P, _P, _I64, _I, _I],
 }
 _ATTENTION_SIGNATURES = {
-    "decode": [_P, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I],
-    "prefill": [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
+    "decode": [_P, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F, _I],
+    "prefill": [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I, _F, _I],
 }
 # These return an int: an error code, 0 if done (replay: how many of its steps it made).
 RETURNS_INT = ("store_kvcache", "decode", "prefill", "rotary", "replay", "amx_")

@@ -28,6 +28,7 @@ from nanoengine.input_processor import InputProcessor
 from nanoengine.loader import (checkpoint_directory, load_eos_token_ids, load_hf_config, load_tokenizer,
                                resolve_model_path)
 from nanoengine.model_runner import ModelRunner
+from nanoengine.pooler import PoolingParams
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.scheduler import Scheduler
 from nanoengine.sequence import Sequence
@@ -65,6 +66,7 @@ class LLMEngine:
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
         self.vocab_size = hf_config.vocab_size
         config.resolve_limits(hf_config.max_position_embeddings)
+        config.resolve_pooler(path)
         # Tensor parallelism: the other ranks start first, and load their shards as this one loads its own.
         self.workers = start_workers(config, hf_config, path) if config.tensor_parallel_size > 1 else None
         eos_token_ids = load_eos_token_ids(path, hf_config, self.tokenizer)
@@ -83,9 +85,12 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids)
         self.proposer = build_proposer(config, hf_config, self.model_runner.num_kvcache_blocks)
         self.requests: dict[int, Sequence] = {}  # request id -> its first sequence
-        # Cumulative; "<phase>_tokens" counts the tokens the model computed in that phase.
+        # Cumulative; "<phase>_tokens" counts the tokens the model computed in that phase that were
+        # kept (a rejected draft's position is taken back, so it is not), "decode_seqs" the sequences
+        # of the decode steps (a mean decode batch is decode_seqs / decode_steps).
         self.counters = dict.fromkeys(["prompt_tokens", "generated_tokens", "prefill_steps", "prefill_tokens",
-                                       "prefill_seconds", "decode_steps", "decode_tokens", "decode_seconds"], 0)
+                                       "prefill_seconds", "decode_steps", "decode_tokens", "decode_seqs",
+                                       "decode_seconds"], 0)
 
     def tokenize(self, prompt: str | list[int], truncate_prompt_tokens: int | None = None,
                  add_special_tokens: bool = True) -> list[int]:
@@ -104,6 +109,9 @@ class LLMEngine:
         """A ``ValueError`` for parameters this engine could never serve."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if self.config.runner == "pooling":
+            raise ValueError("this engine's runner is 'pooling': it embeds prompts (LLM.embed, /v1/embeddings) and "
+                             "generates nothing; start one with runner='generate' (the default) to generate")
         sampling_params.check()  # a field set after it was made (``sp.max_tokens = None``)
         if sampling_params.n > self.config.max_num_seqs:  # a request's samples run side by side
             raise ValueError(f"n={sampling_params.n} is more than max_num_seqs={self.config.max_num_seqs}")
@@ -147,8 +155,22 @@ class LLMEngine:
                 raise ValueError("structured_outputs needs the tokenizer: the engine has none (skip_tokenizer_init=True)")
             self.grammars.compile(sampling_params.structured_outputs)  # a bad grammar is refused before queuing
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
-        """Queue a request; returns its id. The prompt is checked before anything is queued."""
+    def check_pooling_params(self, pooling_params: PoolingParams) -> None:
+        """A ``ValueError`` for a pooling request this engine could never serve."""
+        if not isinstance(pooling_params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
+        if self.config.runner != "pooling":
+            raise ValueError("embedding needs a pooling runner: LLM(model, runner='pooling') "
+                             "(python -m nanoengine.serve --runner pooling)")
+        self.model_runner.pooler.check(pooling_params)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams) -> int:
+        """Queue a request; returns its id. The prompt is checked before anything is queued. With
+        ``PoolingParams`` (runner="pooling") the request is its prompt's vector: ``seq.pooled`` once
+        it is finished, and no tokens."""
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(prompt, params)
+        sampling_params = params
         self.check_sampling_params(sampling_params)
         seq = Sequence(self.tokenize(prompt, sampling_params.truncate_prompt_tokens), sampling_params,
                        self.model_runner.block_size)
@@ -160,6 +182,18 @@ class LLMEngine:
             seq.grammar = self.grammars.matcher(sampling_params.structured_outputs)
         seq.bad_words_token_ids = self.input_processor.bad_words_token_ids(sampling_params.bad_words)
         seq.allowed_token_mask = self.input_processor.allowed_token_mask(sampling_params.allowed_token_ids)
+        return self._queue(seq)
+
+    def _add_pooling_request(self, prompt: str | list[int], pooling_params: PoolingParams) -> int:
+        """A prompt scheduled like any other whose last step pools instead of sampling (pooler.py). Its
+        sequence's SamplingParams are the defaults: one sample, no logprobs, nothing it reads."""
+        self.check_pooling_params(pooling_params)
+        seq = Sequence(self.tokenize(prompt, pooling_params.truncate_prompt_tokens), SamplingParams(),
+                       self.model_runner.block_size)
+        seq.pooling_params = pooling_params
+        return self._queue(seq)
+
+    def _queue(self, seq: Sequence) -> int:
         self.scheduler.add(seq)
         self.requests[seq.seq_id] = seq
         self.counters["prompt_tokens"] += seq.num_prompt_tokens
@@ -188,10 +222,11 @@ class LLMEngine:
         phase = "decode" if all(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in seqs) else "prefill"
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         start, generated = time.perf_counter(), self.scheduler.num_generated_tokens
+        spec = dict(self.scheduler.spec_decode_counts)
         try:
             out = self.model_runner.run(seqs, blocks_to_copy)
             with interrupts_deferred():
-                stepped = self.scheduler.postprocess(seqs, out.token_ids, out.logprobs, out.prompt_logprobs)
+                stepped = self.scheduler.postprocess(seqs, out.token_ids, out.logprobs, out.prompt_logprobs, out.pooled)
             if self.proposer is not None:
                 self._propose(stepped)
         except BaseException:
@@ -199,8 +234,13 @@ class LLMEngine:
                 for seq in seqs:
                     self.abort_request(seq.request_id)
             raise
+        counts = self.scheduler.spec_decode_counts
+        rejected = (counts["num_draft_tokens"] - spec["num_draft_tokens"]) - \
+            (counts["num_accepted_tokens"] - spec["num_accepted_tokens"])
         self.counters[f"{phase}_steps"] += 1
-        self.counters[f"{phase}_tokens"] += num_tokens
+        self.counters[f"{phase}_tokens"] += num_tokens - rejected
+        if phase == "decode":
+            self.counters["decode_seqs"] += len(seqs)
         self.counters[f"{phase}_seconds"] += time.perf_counter() - start
         self.counters["generated_tokens"] += self.scheduler.num_generated_tokens - generated
         for seq in stepped:

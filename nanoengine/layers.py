@@ -2,6 +2,8 @@
 RMSNorm (with the residual add folded in), the gated MLP's activation, and the rotary embedding.
 Each computes in torch unless the model runner gives it a ``kernel`` that does the same in one
 pass: C++ on CPU (cpu_kernels.py), Triton on a GPU (triton_layers.py). Learner mode keeps torch's.
+Gemma's norm and gate (``GemmaRMSNorm``, ``GeluTanhAndMul``) have no such kernel: they always run
+in torch (the runners bind kernels by exact type, so these never get RMSNorm's or SiluAndMul's).
 """
 
 import math
@@ -40,6 +42,36 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: it scales by (1 + weight), in float32, and rounds once at the end (HF's
+    Gemma2RMSNorm), where Llama's rounds before the weight. Same calls as ``RMSNorm``. The mean
+    square is taken as a vector norm's square over n, whose op a CPU graph can replay (cpu_graph.py
+    finds no ``out=`` form for ``mean.dim``); it differs from HF's mean in the last bit at most."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = residual = x + residual
+        x32 = x.float()
+        mean_square = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square() / x.shape[-1]
+        out = x32 * torch.rsqrt(mean_square + self.eps) * (1.0 + self.weight.float())
+        out = out.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+class GeluTanhAndMul(nn.Module):
+    """Gemma's gated MLP activation: x is [gate | up], the result GeLU(gate) * up, GeLU with its tanh
+    approximation (HF's "gelu_pytorch_tanh")."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 class SiluAndMul(nn.Module):
     """The gated MLP's activation: x is [gate | up], the result SiLU(gate) * up; ``kernel`` does it in
     one pass (cpu_kernels.silu_and_mul, triton_layers.silu_and_mul)."""
@@ -60,28 +92,56 @@ class RotaryEmbedding(nn.Module):
     tokens' rows by position, which is what lets prefill and decode share one code path. One
     instance serves every layer. ``kernel`` rotates q and k in one pass (cpu_kernels.rotary, in place;
     triton_layers.rotary); torch needs eleven small ops.
-    ``llama3_scaling`` holds the factors of ``llama3_inv_freq`` (Llama 3.1/3.2), or is None for plain RoPE.
+    ``llama3_scaling`` holds the factors of ``llama3_inv_freq`` (Llama 3.1/3.2), or is None for plain RoPE;
+    ``linear_factor`` slows every pair by one factor ("linear" in HF's ``rope_parameters``, Gemma 3's global
+    layers); ``longrope`` holds the arguments of ``longrope_angles`` (Phi-3). With ``rotary_dim`` under
+    head_dim (Phi-4-mini's partial rotary) only each head's first ``rotary_dim`` values turn, in torch: the
+    kernels turn whole heads.
     """
 
     kernel: Callable | None = None
 
-    def __init__(self, head_dim: int, max_position: int, base: float, llama3_scaling: dict | None = None):
+    def __init__(self, head_dim: int, max_position: int, base: float, llama3_scaling: dict | None = None,
+                 linear_factor: float = 1.0, longrope: dict | None = None, rotary_dim: int | None = None):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        if llama3_scaling is not None:
-            inv_freq = llama3_inv_freq(inv_freq, **llama3_scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
-        cos, sin = freqs.cos(), freqs.sin()
+        self.rotary_dim = rotary_dim or head_dim
+        wavelengths = base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim)
+        positions, scale = torch.arange(max_position, dtype=torch.float), 1.0
+        if longrope is not None:
+            freqs, scale = longrope_angles(positions, wavelengths, **longrope)
+        else:
+            inv_freq = 1.0 / wavelengths / linear_factor
+            if llama3_scaling is not None:
+                inv_freq = llama3_inv_freq(inv_freq, **llama3_scaling)
+            freqs = torch.outer(positions, inv_freq)
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale
         # Full head width, with the rotation's sign folded into sin: see ``apply_rotary``.
         # A plain attribute, not a buffer: ``model.to(bfloat16)`` must not round the angles.
         self.cos_sin_cache = torch.cat([cos, cos, -sin, sin], dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k ``[num_tokens, heads, head_dim]``, each token's heads turned by its position's angles."""
-        if self.kernel is not None:
+        d = self.rotary_dim
+        if self.kernel is not None and d == q.shape[-1]:
             return self.kernel(positions, q, k, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+        if d < q.shape[-1]:  # the rest of each head passes unturned
+            return (torch.cat([apply_rotary(q[..., :d], cos, sin), q[..., d:]], dim=-1),
+                    torch.cat([apply_rotary(k[..., :d], cos, sin), k[..., d:]], dim=-1))
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def longrope_angles(positions: torch.Tensor, wavelengths: torch.Tensor, short_factor: tuple[float, ...],
+                    long_factor: tuple[float, ...], original_max_position_embeddings: int,
+                    attention_factor: float) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE ("longrope"): each pair's wavelength stretched by its own factor, the short
+    factors within the original context and the long ones past it, and cos/sin scaled by
+    ``attention_factor``. HF switches to the long factors for a whole sequence once it is longer than
+    the original context (recomputing its cache); here a position's factors follow from the position
+    alone, so a cached key never changes: the two agree for every sequence within the original context."""
+    angles = [torch.outer(positions, 1.0 / (torch.tensor(factors) * wavelengths))
+              for factors in (short_factor, long_factor)]
+    return torch.where(positions[:, None] < original_max_position_embeddings, *angles), attention_factor
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,

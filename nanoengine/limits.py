@@ -2,7 +2,7 @@
 
 A request's body is read whole before anything looks at it, so its size is the first bound: a
 body over ``max_request_body_bytes`` is refused (413) by its ``Content-Length`` before it is
-read, or as soon as the bytes read pass the bound (``BodySizeLimit``; FastAPI's own limit answers
+parsed, or as soon as the bytes read pass the bound (``BodySizeLimit``; FastAPI's own limit answers
 in plain text). What a request may ask for once parsed (logprobs, stop strings, prompt length) is
 the engine's to bound (config.py, engine.py), checked before it is queued.
 
@@ -29,18 +29,34 @@ MAX_REQUEST_BODY_BYTES = 4 << 20
 REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
 
 
+# A refused body is still read, and dropped, up to this many times the limit before the 413 is sent.
+# Most clients (urllib, requests, the SDKs) send the whole body before they read the response, and
+# a connection closed with bytes unread in it is reset, as uvicorn closes it after the response
+# (at once where the client said "Connection: close", as urllib does): the client's send fails and
+# it never reads the 413. Past the bound the connection is closed on the rest: a refused body costs
+# the server no more than a few accepted ones.
+REFUSED_BODY_DRAIN_FACTOR = 4
+
+
 class BodySizeLimit:
-    """ASGI middleware: a body over ``max_bytes`` is refused by its Content-Length, unread, or, sent
-    without one, once the bytes read pass it (``RequestTooLarge``, raised to the handlers below)."""
+    """ASGI middleware: a body over ``max_bytes`` is refused by its Content-Length, or, sent without
+    one, once the bytes read pass it (``RequestTooLarge``, raised to the handlers below); either way
+    once the rest is drained, up to ``REFUSED_BODY_DRAIN_FACTOR`` times ``max_bytes``."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
+        self.drain_bytes = REFUSED_BODY_DRAIN_FACTOR * max_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length", b"")
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
+            # A body past the bound is not worth reading; a client that waits for "100 Continue" sends
+            # none after a 413.
+            if int(length) <= self.drain_bytes and headers.get(b"expect", b"").lower() != b"100-continue":
+                await self.drain(receive, 0)
             return await error_response(RequestTooLarge(self.max_bytes).detail, 413)(scope, receive, send)
         received = 0
 
@@ -49,9 +65,19 @@ class BodySizeLimit:
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.max_bytes:
+                if message.get("more_body"):
+                    await self.drain(receive, received)
                 raise RequestTooLarge(self.max_bytes)
             return message
         await self.app(scope, counting_receive, send)
+
+    async def drain(self, receive, received: int) -> None:
+        """Read and drop the rest of a refused body (``received`` bytes of it read), up to the bound."""
+        more = True
+        while more and received <= self.drain_bytes:
+            message = await receive()  # a disconnect ends it: it has no more_body
+            received += len(message.get("body", b""))
+            more = message.get("more_body", False)
 
 
 class RequestTooLarge(HTTPException):  # an HTTPException, which FastAPI's body reading lets through
@@ -71,10 +97,12 @@ def request_field(message: str) -> str | None:
 
 
 def validation_message(error: dict) -> tuple[str, str | None]:
-    """One pydantic error as "field: what is wrong", and the field."""
+    """One pydantic error as "field: what is wrong" (or as it is where it names the field first, as
+    ``SamplingParams``' errors do), and the field."""
     loc = [str(x) for x in error["loc"] if x != "body"]
     message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]  # no "Value error, "
-    return f"{'.'.join(loc) or 'body'}: {message}", loc[0] if loc else None
+    field = ".".join(loc) or "body"
+    return (message if message.startswith(f"{field} ") else f"{field}: {message}"), loc[0] if loc else None
 
 
 def install_error_handlers(app: FastAPI, max_request_body_bytes: int) -> None:

@@ -62,17 +62,19 @@ class Linear(nn.Linear):
         weight in ``fmt`` ("int8" or "int4"; int4's scales are inside qweight). Like
         ``use_cpu_kernel``, the quantized copy replaces the weight as buffers; a tied lm_head gets its
         own copy and the embedding keeps the original. Where int8_gemm.py computes batches, its
-        int8 copy is kept too (``gemm_weight``, ``gemm_scales``)."""
+        int8 copy is kept too (``gemm_weight``, ``gemm_scales``), made from the quantized weight a
+        block of rows at a time, so that no float32 copy of the whole weight is ever made."""
         qweight, scales = quantization.quantize_weight(self.weight.detach(), fmt)
-        self.gemm_min_rows = cpu_dispatch.gemm_min_rows(fmt) if int8_gemm.available() else None
-        if self.gemm_min_rows is not None:
-            gemm_weight, gemm_scales = int8_gemm.quantize_weight(quantization.dequantize_packed(qweight, scales))
-            self.register_buffer("gemm_weight", int8_gemm.pack_weight(gemm_weight))
-            self.register_buffer("gemm_scales", gemm_scales)
-        self.register_parameter("weight", None)
+        self.register_parameter("weight", None)  # the float weight is gone from here on (the loader holds none)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self.quantized = True
+        self.gemm_min_rows = cpu_dispatch.gemm_min_rows(fmt) if int8_gemm.available() else None
+        if self.gemm_min_rows is not None:
+            blocks = [int8_gemm.quantize_weight(quantization.dequantize_packed(q, s))
+                      for q, s in quantization.packed_row_blocks(qweight, scales)]
+            self.register_buffer("gemm_weight", int8_gemm.pack_weight(torch.cat([q for q, _ in blocks])))
+            self.register_buffer("gemm_scales", torch.cat([s for _, s in blocks]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -169,11 +171,19 @@ class ParallelLMHead(PackedLinear):
         return None if logits is None else logits[..., :self.shards[None].total]
 
 
-def quantize_linears(model: torch.nn.Module, fmt: str) -> None:
-    """Switch every linear layer to weights in ``fmt`` where the kernel takes its shape
+def quantize_linear(name: str, module: nn.Module, fmt: str) -> None:
+    """Switch a linear layer to weights in ``fmt`` where the kernel takes its shape
     (quantization.can_quantize); the rest keep theirs. The LM head is never below int8 (as llama.cpp
-    keeps its output tensor wider): in int4 it cost the default model 8% perplexity, in int8 0.5%."""
+    keeps its output tensor wider): in int4 it cost the default model 8% perplexity, in int8 0.5%.
+    The loader calls this on each module as soon as its weights are in (``loaded``), so that the
+    full-precision model is never held whole."""
+    if isinstance(module, Linear) and not module.quantized and quantization.can_quantize(
+            module.out_features, module.in_features):
+        module.quantize("int8" if name == "lm_head" else fmt)
+
+
+def quantize_linears(model: nn.Module, fmt: str) -> None:
+    """``quantize_linear`` on every layer not yet quantized: after loading, a tied LM head, which no
+    checkpoint tensor fills (it quantizes a copy of the embedding)."""
     for name, module in model.named_modules():
-        layer_fmt = "int8" if name == "lm_head" else fmt
-        if isinstance(module, Linear) and quantization.can_quantize(module.out_features, module.in_features):
-            module.quantize(layer_fmt)
+        quantize_linear(name, module, fmt)

@@ -1,4 +1,5 @@
-"""The offline API: ``LLM.generate``, ``LLM.chat`` and ``LLM.beam_search`` on top of the engine's loop.
+"""The offline API: ``LLM.generate``, ``LLM.chat``, ``LLM.beam_search`` and ``LLM.embed`` on top of the
+engine's loop.
 
 Each call queues its requests (every prompt checked before any is queued), steps the engine until
 they are done, and returns dicts (``Output``, whose keys also read as attributes, as vLLM's result
@@ -6,10 +7,13 @@ objects' do). An interrupted call (Ctrl-C, an exception) aborts what it queued, 
 left as it was.
 """
 
+from dataclasses import replace
+
 from tqdm.auto import tqdm
 
 from nanoengine.beam_search import BeamSearch
 from nanoengine.engine import LLMEngine, interrupts_deferred
+from nanoengine.pooler import PoolingParams
 from nanoengine.sampling_params import BeamSearchParams, SamplingParams
 from nanoengine.sequence import Sequence
 
@@ -80,9 +84,47 @@ class LLM(LLMEngine):
             self.check_sampling_params(params)
         # every prompt checked before any is queued
         token_ids = [self.tokenize(p, sp.truncate_prompt_tokens) for p, sp in zip(prompts, sampling_params)]
-        request_ids, bar = [], tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        results = []
+        for prompt, group in zip(prompts, self._run(token_ids, sampling_params, use_tqdm, "Generating")):
+            outputs = [sample_output(seq) for seq in group]
+            first = group[0]
+            results.append(Output(**{k: outputs[0][k] for k in ("text", "token_ids", "finish_reason")},
+                                  outputs=outputs, prompt=prompt_text(prompt),
+                                  prompt_token_ids=first.token_ids[:first.num_prompt_tokens],
+                                  prompt_logprobs=first.prompt_logprobs, finished=True))
+        return results
+
+    def embed(self, prompts: str | dict | list[str | list[int] | dict], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, pooling_params: PoolingParams | list[PoolingParams] | None = None) -> list[Output]:
+        """vLLM's: each prompt's vector, pooled from its hidden states as the model says (pooler.py),
+        in the order of the prompts; needs ``LLM(model, runner="pooling")``. Each result holds the
+        "embedding" (a list of floats, also as vLLM's ``outputs.embedding``) and "prompt_token_ids".
+        ``pooling_params``' ``dimensions`` truncates a Matryoshka model's vectors; ``truncate_prompt_tokens``
+        (or ``pooling_params``') keeps each prompt's last tokens."""
+        prompts = _prompt_list(prompts)
+        if not isinstance(pooling_params, list):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"got {len(pooling_params)} pooling_params for {len(prompts)} prompts")
+        for p in pooling_params:
+            self.check_pooling_params(p)
+        params = pooling_params if truncate_prompt_tokens is None else [
+            replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in pooling_params]
+        token_ids = [self.tokenize(prompt, p.truncate_prompt_tokens) for prompt, p in zip(prompts, params)]
+        results = []
+        for prompt, (seq,) in zip(prompts, self._run(token_ids, params, use_tqdm, "Embedding")):
+            embedding = seq.pooled.tolist()
+            results.append(Output(embedding=embedding, outputs=Output(embedding=embedding), prompt=prompt_text(prompt),
+                                  prompt_token_ids=seq.token_ids, finished=True))
+        return results
+
+    def _run(self, token_ids: list[list[int]], params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool,
+             desc: str) -> list[list[Sequence]]:
+        """Queue a request per prompt (checked already) and step until all are done; each request's
+        sequences (its group). Whatever happens, nothing is left queued."""
+        request_ids, bar = [], tqdm(total=len(token_ids), desc=desc, dynamic_ncols=True, disable=not use_tqdm)
         try:
-            for t, p in zip(token_ids, sampling_params):
+            for t, p in zip(token_ids, params):
                 request_ids.append(self.add_request(t, p))
             groups = [self.requests[i].group for i in request_ids]
             while any(not seq.is_finished for group in groups for seq in group):
@@ -95,17 +137,9 @@ class LLM(LLMEngine):
         finally:
             bar.close()
             with interrupts_deferred():
-                for request_id in request_ids:  # an interrupted or failed generate leaves nothing queued behind
+                for request_id in request_ids:  # an interrupted or failed call leaves nothing queued behind
                     self.abort_request(request_id)
-        results = []
-        for prompt, group in zip(prompts, groups):
-            outputs = [sample_output(seq) for seq in group]
-            first = group[0]
-            results.append(Output(**{k: outputs[0][k] for k in ("text", "token_ids", "finish_reason")},
-                                  outputs=outputs, prompt=prompt_text(prompt),
-                                  prompt_token_ids=first.token_ids[:first.num_prompt_tokens],
-                                  prompt_logprobs=first.prompt_logprobs, finished=True))
-        return results
+        return groups
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,

@@ -7,7 +7,9 @@ counted twice and a step pays nothing for metrics. The latencies a client sees, 
 first token and the gap between tokens, exist only on the serving side: each request's
 ``RequestClock`` observes them into histograms as its outputs arrive on the event loop, and
 counts the request once it ends, by how it ended (vLLM's ``request_success_total``, whose
-``finished_reason`` is also "abort" for a client gone and "error" for a failed step here).
+``finished_reason`` is also "abort" for a client gone and "error" for a failed step here). A
+request refused by ``--max-queued-requests`` never reaches a handler: the bound counts it
+(``num_requests_rejected_total``, serve_security.py).
 
 The names are vLLM's with the prefix ``nanoengine:`` instead of ``vllm:`` (e.g.
 ``nanoengine:num_requests_running``), and every series carries vLLM's ``model_name`` label, so a
@@ -46,6 +48,9 @@ class ServerMetrics:
             ["model_name", "finished_reason"], registry=self.registry)
         for reason in ("stop", "length", "abort", "error"):  # each series exists, at 0, from the start
             self.request_success.labels(model_name, reason)
+        self.requests_rejected = Counter(  # serve_security.py's bound; at 0 without one
+            PREFIX + "num_requests_rejected", "Requests refused (503) because --max-queued-requests were in flight.",
+            ["model_name"], registry=self.registry).labels(model_name)
         self.stats: dict = {}
         self.registry.register(self)  # as a collector: ``collect`` below, called by ``render``
 

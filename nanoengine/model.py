@@ -1,9 +1,11 @@
-"""The decoder: Llama, Qwen2 and Qwen3 in one module, chosen from the HF config.
+"""The decoder: Llama's, and the families that depart from it in a few named ways.
 
-The three differ in two details: Qwen2 adds a bias to the q/k/v projections, and Qwen3
-normalises each query and key head (RMSNorm over head_dim) before the rotary embedding.
-Tokens of all sequences in a step are packed into one flat batch, ``[num_tokens, hidden]``:
-there is no padding anywhere in the model; the ``Context`` tells attention where sequences start.
+Llama, Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 share this one decoder; each family's
+differences (a bias, q/k norms, a sliding window, Gemma's norms, gate, soft caps and embedding
+scale) are read from the HF config by model_families.py into a ``FamilySpec``, which the modules
+below take; with Llama's spec they are Llama's decoder. Tokens of all sequences in a step are
+packed into one flat batch, ``[num_tokens, hidden]``: there is no padding anywhere in the model;
+the ``Context`` tells attention where sequences start.
 
 With tensor parallelism (``tp``, see linear.py for the splits) a rank holds ``1/size`` of the
 attention heads, of the MLP's intermediate features and of the vocabulary. When there are fewer
@@ -20,26 +22,37 @@ from transformers import PretrainedConfig
 
 from nanoengine.attention import Attention
 from nanoengine.context import Context
-from nanoengine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from nanoengine.layers import GeluTanhAndMul, GemmaRMSNorm, RMSNorm, RotaryEmbedding, SiluAndMul
 from nanoengine.linear import PackedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from nanoengine.model_families import FamilySpec, LayerSpec, family_spec
 from nanoengine.parallel import Shard, TensorParallelGroup
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-
-
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+LONGROPE_KEYS = ("short_factor", "long_factor", "original_max_position_embeddings", "attention_factor")
 
 
-def rotary_embedding(config: PretrainedConfig, max_position: int) -> RotaryEmbedding:
-    """The config's rotary embedding: plain RoPE or Llama 3.1's "llama3" scaling; other types are refused
-    rather than run as plain RoPE, which would answer wrong past their original context."""
-    params = config.rope_parameters  # transformers>=5 fills it (rope_type, rope_theta) for every model
-    rope_type = params.get("rope_type", "default")
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"rope type {rope_type!r} (config.rope_parameters) is not supported; "
-                         "supported: default, llama3")
-    llama3_scaling = {key: params[key] for key in LLAMA3_ROPE_KEYS} if rope_type == "llama3" else None
-    return RotaryEmbedding(head_dim(config), max_position, params["rope_theta"], llama3_scaling)
+def rotary_embedding(rope: dict, head_dim: int, max_position: int) -> RotaryEmbedding:
+    """The rotary embedding of ``rope`` (a layer's ``rope_parameters``, checked by model_families.py):
+    plain RoPE, Llama 3.1's "llama3" scaling, "linear" or "longrope", over all of each head or the
+    ``partial_rotary_factor`` of it."""
+    rope_type = rope.get("rope_type", "default")
+    llama3_scaling = {key: rope[key] for key in LLAMA3_ROPE_KEYS} if rope_type == "llama3" else None
+    linear_factor = rope["factor"] if rope_type == "linear" else 1.0
+    longrope = {key: rope[key] for key in LONGROPE_KEYS} if rope_type == "longrope" else None
+    rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    return RotaryEmbedding(head_dim, max_position, rope["rope_theta"], llama3_scaling, linear_factor, longrope,
+                           rotary_dim)
+
+
+def rotary_embeddings(config: PretrainedConfig, spec: FamilySpec, max_position: int) -> list[RotaryEmbedding]:
+    """Each layer's rotary embedding: one table of angles per distinct rope (Gemma 3: a local and a
+    global one), shared by the layers that use it."""
+    tables = {}
+    for layer in spec.layers:
+        key = tuple(sorted(layer.rope.items()))
+        if key not in tables:
+            tables[key] = rotary_embedding(layer.rope, head_dim(config), max_position)
+    return [tables[tuple(sorted(layer.rope.items()))] for layer in spec.layers]
 
 
 def head_dim(config: PretrainedConfig) -> int:
@@ -67,23 +80,28 @@ def kv_head_shard(config: PretrainedConfig, tp: TensorParallelGroup | None) -> S
     return Shard(total * d, rank * total // size * d, max(1, total // size) * d)
 
 
+def norm_class(spec: FamilySpec) -> type[nn.Module]:
+    return GemmaRMSNorm if spec.gemma_norms else RMSNorm
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, tp: TensorParallelGroup | None):
+    def __init__(self, config: PretrainedConfig, spec: FamilySpec, layer: LayerSpec, rotary_emb: RotaryEmbedding,
+                 tp: TensorParallelGroup | None):
         super().__init__()
         self.head_dim = head_dim(config)
         q_shard = Shard.split(config.num_attention_heads * self.head_dim, tp)
         kv_shard = kv_head_shard(config, tp)
         self.num_heads, self.num_kv_heads = q_shard.size // self.head_dim, kv_shard.size // self.head_dim
-        qkv_bias = getattr(config, "attention_bias", config.model_type == "qwen2")
-        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_shard, "k": kv_shard, "v": kv_shard}, bias=qkv_bias)
-        o_bias = getattr(config, "attention_bias", False) and config.model_type != "qwen2"
-        self.o_proj = RowParallelLinear(q_shard, config.hidden_size, bias=o_bias, tp=tp)
-        self.qk_norm = config.model_type == "qwen3"
+        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_shard, "k": kv_shard, "v": kv_shard},
+                                     bias=spec.qkv_bias)
+        self.o_proj = RowParallelLinear(q_shard, config.hidden_size, bias=spec.o_bias, tp=tp)
+        self.qk_norm = spec.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = norm_class(spec)(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm_class(spec)(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, spec.attn_scale, layer.sliding_window,
+                              spec.attn_softcap)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -99,11 +117,11 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TensorParallelGroup | None):
+    def __init__(self, config: PretrainedConfig, spec: FamilySpec, tp: TensorParallelGroup | None):
         super().__init__()
         shard = Shard.split(config.intermediate_size, tp)
         self.gate_up_proj = PackedLinear(config.hidden_size, {0: shard, 1: shard}, bias=False)
-        self.act = SiluAndMul()
+        self.act = GeluTanhAndMul() if spec.activation == "gelu_tanh" else SiluAndMul()
         self.down_proj = RowParallelLinear(shard, config.hidden_size, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,12 +129,20 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, tp: TensorParallelGroup | None):
+    def __init__(self, config: PretrainedConfig, spec: FamilySpec, layer: LayerSpec, rotary_emb: RotaryEmbedding,
+                 tp: TensorParallelGroup | None):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, rotary_emb, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DecoderMLP(config, tp)
+        norm = norm_class(spec)
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, spec, layer, rotary_emb, tp)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DecoderMLP(config, spec, tp)
+        # Gemma norms each block's output too, before it joins the residual: post_attention_layernorm
+        # is then that norm of the attention's output, and pre_feedforward_layernorm the MLP's input norm.
+        self.post_norms = spec.gemma_norms
+        if self.post_norms:
+            self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,21 +152,29 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden, residual = self.post_attention_layernorm(self.self_attn(positions, hidden, ctx), residual)
+        hidden = self.self_attn(positions, hidden, ctx)
+        if self.post_norms:
+            hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
+            return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_position: int, tp: TensorParallelGroup | None):
+    def __init__(self, config: PretrainedConfig, spec: FamilySpec, max_position: int, tp: TensorParallelGroup | None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(Shard.split(config.vocab_size, tp), config.hidden_size, tp)
-        # One table of rotary angles, shared by every layer.
-        rotary_emb = rotary_embedding(config, max_position)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb, tp) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # HF scales by sqrt(hidden) rounded to the model's dtype (the default while the model is built).
+        self.embed_scale = spec.embed_scale and torch.tensor(spec.embed_scale, dtype=torch.get_default_dtype()).item()
+        ropes = rotary_embeddings(config, spec, max_position)
+        self.layers = nn.ModuleList(DecoderLayer(config, spec, layer, rope, tp)
+                                    for layer, rope in zip(spec.layers, ropes))
+        self.norm = norm_class(spec)(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale:
+            hidden = hidden * self.embed_scale
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, ctx)
         return self.norm(hidden, residual)[0]
@@ -158,10 +192,14 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig, max_position: int, tp: TensorParallelGroup | None = None):
         super().__init__()
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model type {config.model_type!r} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        self.model = DecoderModel(config, max_position, tp)
+        self.spec = spec = family_spec(config)
+        self.model = DecoderModel(config, spec, max_position, tp)
+        self.final_softcap = spec.final_softcap
+        if spec.fused_checkpoint:  # Phi-3's: cut into the names above as they are read (loader.py)
+            q, kv = config.num_attention_heads * head_dim(config), config.num_key_value_heads * head_dim(config)
+            self.fused_checkpoint_tensors = {"qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+                                             "gate_up_proj": (("gate_proj", config.intermediate_size),
+                                                              ("up_proj", config.intermediate_size))}
         self.lm_head = ParallelLMHead(Shard.split(config.vocab_size, tp), config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -172,7 +210,10 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary; with tensor parallelism on rank 0 only (None elsewhere)."""
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.final_softcap and logits is not None:  # Gemma 2: squashed into (-softcap, softcap)
+            logits = self.final_softcap * torch.tanh(logits / self.final_softcap)
+        return logits
 
 
 @contextlib.contextmanager

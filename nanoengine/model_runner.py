@@ -22,10 +22,11 @@ from nanoengine.config import Config, kvcache_block_size, kvcache_budget_bytes, 
 from nanoengine.context import Context
 from nanoengine.cpu_runtime import keep_freed_memory_for_reuse, use_cpu_kernels, zeros
 from nanoengine.graph_runner import DecodeGraphRunner
-from nanoengine.linear import quantize_linears
+from nanoengine.linear import quantize_linear, quantize_linears
 from nanoengine.loader import load_dummy_weights, load_weights
 from nanoengine.model import build_model
 from nanoengine.parallel import TensorParallelGroup
+from nanoengine.pooler import Pooler
 from nanoengine.rejection_sampler import RejectionSampler
 from nanoengine.sampler import LogitRows, Sampler, SamplerOutput, compute_logprobs
 from nanoengine.sampling_metadata import SamplingMetadata
@@ -44,17 +45,22 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
         self.model = build_model(hf_config, config.max_model_len, tp, self.device, self.dtype)
+        # Quantized a module at a time, as each is filled: the float weights are never all held at once.
+        fmt = config.quantization
+        loaded = (lambda name, module: quantize_linear(name, module, fmt)) if fmt else (lambda name, module: None)
         if config.load_format == "dummy":
-            load_dummy_weights(self.model)
+            load_dummy_weights(self.model, loaded)
         else:
-            load_weights(self.model, model_path)
-        if config.quantization is not None:
-            quantize_linears(self.model, config.quantization)
+            load_weights(self.model, model_path, lm_head=config.runner == "generate", loaded=loaded)
+        if fmt is not None:
+            quantize_linears(self.model, fmt)  # a tied LM head, from the embedding now loaded
         if self.device.type == "cpu" and not config.learner_mode:
             use_cpu_kernels(self.model, self.dtype)
         elif not config.learner_mode:  # on a GPU: the norms, SiLU and rotary in one Triton kernel each
             use_triton_kernels(self.model)
         self.sampler = Sampler(self.device.type == "cpu" and not config.learner_mode, config.seed)
+        # runner="pooling": a vector per prompt instead of tokens (pooler.py), from the final norm's output.
+        self.pooler = Pooler(config.pooler_config, hf_config) if config.runner == "pooling" else None
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = get_backend(config.attention_kernels, self.device, config.learner_mode)
@@ -70,7 +76,9 @@ class ModelRunner:
         # over the C++ kernels, whose calls a CPU graph records, and not with tensor parallelism: a
         # replay would repeat gloo's collectives without their waits.
         cpu_graphs = tp is None and config.attention_kernels == "cpu"
-        if not (config.enforce_eager or config.learner_mode) and (self.device.type == "cuda" or cpu_graphs):
+        # A pooling runner never decodes: it has no graphs.
+        no_graphs = config.enforce_eager or config.learner_mode or self.pooler is not None
+        if not no_graphs and (self.device.type == "cuda" or cpu_graphs):
             spec = config.speculative_config
             self.graph_runner = DecodeGraphRunner(
                 self.model, config.max_num_seqs, -(-config.max_model_len // self.block_size), hf_config.hidden_size,
@@ -201,6 +209,8 @@ class ModelRunner:
         if blocks_to_copy:
             ctx.blocks_to_copy = self._tensor(blocks_to_copy, torch.int64)
         logits = self.compute_logits(input_ids, positions, ctx)
+        if self.pooler is not None:  # then these are hidden states (execute_model): pooled, not sampled
+            return self._pool(logits, seqs)
         rows = LogitRows.of([len(seq.prompt_logprob_positions) if seq.needs_prompt_logprobs else None for seq in seqs],
                             [len(seq.sample_indices) if seq.samples else 0 for seq in seqs],
                             [len(seq.spec_token_ids) for seq in seqs])
@@ -214,6 +224,15 @@ class ModelRunner:
         sampled = self._sample(rows.sample_logits(logits), sampling) if sampling else SamplerOutput([])
         return SamplerOutput(rows.per_output(sampled.token_ids),
                              None if sampled.logprobs is None else rows.per_output(sampled.logprobs), prompt_logprobs)
+
+    def _pool(self, hidden: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """Each sequence's pooled state after this step's rows, or, once its prompt is whole, its vector."""
+        pooled = []
+        for seq, rows in zip(seqs, hidden.split([seq.num_scheduled_tokens for seq in seqs])):
+            state = self.pooler.update(seq.pooled, rows, seq.num_computed_tokens)
+            pooled.append(self.pooler.finish(state, seq.num_tokens, seq.pooling_params.dimensions)
+                          if seq.samples else state)
+        return SamplerOutput([None] * len(seqs), pooled=pooled)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Each sample's new tokens from its rows of ``logits`` (``LogitRows.sample_logits``): a token
@@ -237,8 +256,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor | None:
-        """The logits of the rows that need them (on rank 0; None on the other ranks): every rank runs
-        this on the same inputs, so what it computes must follow from them alone."""
+        """The logits of the rows that need them (on rank 0; None on the other ranks), or for a pooling
+        runner every row's hidden state: every rank runs this on the same inputs, so what it computes
+        must follow from them alone."""
         if ctx.blocks_to_copy is not None:
             # In order: a block copied from early in the list may since have been freed and handed
             # out as a later copy's destination.
@@ -248,6 +268,8 @@ class ModelRunner:
             hidden = self.graph_runner.run(input_ids, positions, ctx)  # a decode step, or a small verify step
         else:
             hidden = self.model(input_ids, positions, ctx)
+        if self.pooler is not None:
+            return hidden
         if ctx.is_prefill:
             hidden = hidden[ctx.logits_indices]
         return self.model.compute_logits(hidden)

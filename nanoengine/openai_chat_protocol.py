@@ -124,7 +124,8 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage]
     max_completion_tokens: Annotated[int | None, Field(ge=1)] = None  # the newer name for max_tokens
     logprobs: bool | None = None
-    top_logprobs: int | None = None  # with logprobs: how many top tokens' logprobs beside each sampled one
+    # with logprobs: how many top tokens' logprobs beside each sampled one (at most max_logprobs: serve.py)
+    top_logprobs: Annotated[int | None, Field(ge=0)] = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables
     documents: list[dict[str, str]] | None = None  # vLLM's: for a template that reads them (retrieval)
     chat_template: Annotated[str | None, no_op(None, why="the server's template (--chat-template) is the one run")] \

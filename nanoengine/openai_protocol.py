@@ -69,7 +69,7 @@ def no_op(*unchanged: Any, why: str) -> AfterValidator:
 def _token_ids(bias: dict[str, float] | None) -> dict[str, float] | None:
     """OpenAI's logit_bias: token ids written as strings, biases in [-100, 100]."""
     for token, value in (bias or {}).items():
-        if not token.isdigit():
+        if not (token.isascii() and token.isdigit()):  # str.isdigit alone takes "²", which int() refuses
             raise ValueError(f"keys must be token ids, got {token!r}")
         if not -100 <= value <= 100:
             raise ValueError(f"biases must be in [-100, 100], got {value} for token {token}")
@@ -124,9 +124,19 @@ class StructuredOutputs(Schema):
     grammar: str | None = None
 
 
+def as_sampling_params_take_it(value: Any, info: ValidationInfo) -> Any:
+    """A field ``SamplingParams`` takes as it is, checked by its rule for that field alone (a field
+    validator of the request models): a body's range errors then come in one 400 with its type
+    errors, every bad field named, rather than one at a time from the ``SamplingParams`` made later.
+    (Rules across fields, as min_tokens <= max_tokens, and the engine's limits, as max_logprobs, are
+    checked then.)"""
+    SamplingParams(**{info.field_name: value})
+    return value
+
+
 class OpenAIRequest(Schema):
     model: str | None = None  # one model is served; the name is echoed back
-    max_tokens: int | None = None
+    max_tokens: Annotated[int | None, Field(ge=0)] = None  # 0: the prompt only, echoed (completions)
     temperature: float = 1.0
     top_p: float = 1.0
     seed: Annotated[int | None, Field(ge=-2**63, lt=2**64)] = None  # vLLM's bounds: what a 64-bit seed holds
@@ -142,7 +152,7 @@ class OpenAIRequest(Schema):
     top_k: int = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    min_tokens: Annotated[int, Field(ge=0)] = 0  # and at most max_tokens: SamplingParams checks the two
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -178,6 +188,11 @@ class OpenAIRequest(Schema):
         return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields
                 or cls.model_fields[k].default is None}
 
+    _sampling_fields = field_validator(
+        "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "min_p", "allowed_token_ids", "bad_words", "prompt_logprobs",
+        "truncate_prompt_tokens")(as_sampling_params_take_it)
+
     @field_validator("stream_options")
     @classmethod
     def only_with_stream(cls, value: dict | None, info: ValidationInfo) -> dict | None:
@@ -198,7 +213,7 @@ def one_of_the_prompt_forms(value: Any, handler) -> Any:
 class CompletionRequest(OpenAIRequest):
     # OpenAI's four forms: one prompt (text or token ids) or a batch of them, answered together.
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], WrapValidator(one_of_the_prompt_forms)]
-    logprobs: int | None = None  # how many top tokens' logprobs to return beside each sampled one
+    logprobs: Annotated[int | None, Field(ge=0)] = None  # how many top tokens' logprobs beside each sampled one
     echo: bool = False  # the prompt in front of each choice's text (and its tokens' logprobs, with logprobs)
     add_special_tokens: bool = True  # vLLM's: a text prompt's BOS and the like, as the tokenizer adds them
     best_of: Annotated[int | None, no_op(None, 1, why="n completions are sampled, not best_of")] = None

@@ -13,6 +13,8 @@ which needs the weight in its own layout: ``pack_int8`` and ``pack_int4`` make i
 torch's own weight-only CPU ops were measured against it and lost at nearly every size (docs/quantization.md).
 """
 
+from typing import Iterator
+
 import torch
 
 FORMATS = ("int8", "int4")
@@ -20,6 +22,7 @@ GROUP_SIZE = 32  # weights sharing a scale (int4), and the kernel's block of x v
 TILE = 8  # rows the kernel reads together, stored side by side
 INT4_GROUP_BYTES = TILE * (GROUP_SIZE // 2 + 2 + 2)  # a tile's group: 8 rows of nibbles, 8 float16 scales, 8 mins
 INT4_LANE = 4  # int4 values of one row that the kernel multiplies in one 32-bit lane
+QUANTIZE_BLOCK = 1 << 20  # weights quantized together (whole tiles of rows): float32 temporaries of 4 MB
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,13 +117,46 @@ def unpack_int4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def quantize_weight(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(qweight, scales)`` in the kernel's layout: int8's packed q and per-row scales, or int4's
-    packed groups (their scales inside) and None."""
+    packed groups (their scales inside) and None.
+
+    A block of about ``QUANTIZE_BLOCK`` weights at a time, its tiles written into place: the float32
+    temporaries of quantizing are a block's, not the weight's (a 1B model's LM head, whole, took
+    several float32 copies of 400 MB each), and no block's packed copy is held beside the result.
+    Every row is quantized alone, so the blocks give the bits the whole weight would.
+    """
     if not can_quantize(*w.shape):
         raise ValueError(f"a {tuple(w.shape)} weight cannot be quantized (see can_quantize)")
+    out_features, in_features = w.shape
+    tiles, groups = out_features // TILE, in_features // GROUP_SIZE
     if fmt == "int8":
-        q, scales = quantize_int8(w)
-        return pack_int8(q), scales
-    return pack_int4(*quantize_int4(w)), None
+        qweight = torch.empty(tiles, groups, TILE, GROUP_SIZE, dtype=torch.int8, device=w.device)
+        scales = torch.empty(out_features, dtype=torch.float32, device=w.device)
+    else:
+        qweight, scales = torch.empty(tiles, groups, INT4_GROUP_BYTES, dtype=torch.uint8, device=w.device), None
+    for start in range(0, out_features, block_rows(in_features)):
+        rows = w[start:start + block_rows(in_features)]
+        end = start + rows.shape[0]
+        if scales is None:
+            qweight[start // TILE:end // TILE] = pack_int4(*quantize_int4(rows))
+        else:
+            q, scales[start:end] = quantize_int8(rows)  # the block's scales written into place
+            qweight[start // TILE:end // TILE] = pack_int8(q)
+    return qweight, scales
+
+
+def block_rows(in_features: int) -> int:
+    """Rows of a block of about ``QUANTIZE_BLOCK`` weights: whole tiles, at least one."""
+    return max(1, QUANTIZE_BLOCK // in_features // TILE) * TILE
+
+
+def packed_row_blocks(qweight: torch.Tensor,
+                      scales: torch.Tensor | None) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+    """``quantize_weight``'s output as ``(qweight, scales)`` of ``block_rows`` rows each, in order, for
+    ``dequantize_packed`` to read back a block at a time."""
+    tiles_per_block = block_rows(qweight.shape[1] * GROUP_SIZE) // TILE
+    for start in range(0, qweight.shape[0], tiles_per_block):
+        rows = slice(start * TILE, (start + tiles_per_block) * TILE)
+        yield qweight[start:start + tiles_per_block], None if scales is None else scales[rows]
 
 
 def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:

@@ -43,6 +43,8 @@ class SamplerOutput:
     logprobs: list[list[dict[int, float]] | None] | None = None  # per row, per token; None when no row asked
     # Per sequence: its prompt tokens' logprobs from this step's positions; None when none asked.
     prompt_logprobs: list[list[dict[int, float]] | None] | None = None
+    # A pooling runner's, in place of tokens (pooler.py): per sequence, its pooled state or its vector.
+    pooled: list[torch.Tensor] | None = None
 
 
 @dataclass

@@ -24,9 +24,12 @@ sample forks its other samples here, and every stop condition (EOS, ``stop_token
 alike.
 
 With speculative decoding (spec_decode.py) a decoding sequence may also bring drafts, guesses at
-its next tokens: its step computes them after its newest token, in *lookahead slots*, as far as
-the budget and the free blocks allow (a draft never preempts anyone). ``postprocess`` then
-appends the tokens the rejection sampler accepted, and takes the rejected drafts' positions back.
+its next tokens: its step computes them after its newest token, in *lookahead slots*. Drafts are
+optional, so they come last: every running sequence's required tokens and every prompt admitted
+this step get the budget and the blocks first, and drafts get what is left, oldest sequence first.
+A draft never displaces another sequence's token and never causes a preemption. ``postprocess``
+then appends the tokens the rejection sampler accepted, and takes the rejected drafts' positions
+back.
 """
 
 import logging
@@ -82,6 +85,7 @@ class Scheduler:
         else:
             scheduled = self._schedule_waiting(budget) or self._schedule_running(budget, blocks_to_copy)
         assert scheduled, "nothing could be scheduled: the KV cache is smaller than one sequence"
+        self._schedule_drafts(scheduled, budget - sum(seq.num_scheduled_tokens for seq in scheduled))
         return ScheduledStep(scheduled, blocks_to_copy)
 
     def _schedule_running(self, budget: int, blocks_to_copy: list[tuple[int, int]]) -> list[Sequence]:
@@ -99,24 +103,27 @@ class Scheduler:
                 if seq.status != SequenceStatus.RUNNING:
                     break
             else:
-                num_drafts = self._fit_drafts(seq, budget)
-                if (copy := self.block_manager.may_append(seq, num_drafts)) is not None:
+                if (copy := self.block_manager.may_append(seq)) is not None:
                     blocks_to_copy.append(copy)
-                seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget) + num_drafts
+                seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 budget -= seq.num_scheduled_tokens
                 scheduled.append(seq)
         return scheduled
 
-    def _fit_drafts(self, seq: Sequence, budget: int) -> int:
-        """Keep as many of a decoding sequence's drafts as the token budget (after its newest token)
-        and the free blocks allow, and drop the rest. Drafts are optional: they never preempt anyone."""
-        if not seq.spec_token_ids:
-            return 0
-        drafts = seq.spec_token_ids[:budget - 1]
-        while drafts and not self.block_manager.can_append(seq, len(drafts)):
-            drafts.pop()
-        seq.spec_token_ids = drafts
-        return len(drafts)
+    def _schedule_drafts(self, scheduled: list[Sequence], budget: int) -> None:
+        """Give the step's decoding sequences, oldest first, as many of their drafts as the budget
+        left over and the free blocks allow (lookahead slots after the newest token), and drop the
+        rest. A sequence not in this step keeps its drafts for the step that takes it."""
+        for seq in scheduled:
+            if not seq.spec_token_ids:
+                continue
+            drafts = seq.spec_token_ids[:budget]
+            while drafts and not self.block_manager.can_append(seq, len(drafts)):
+                drafts.pop()
+            self.block_manager.may_append(seq, len(drafts))  # its newest token's slot is already its own
+            seq.spec_token_ids = drafts
+            seq.num_scheduled_tokens += len(drafts)
+            budget -= len(drafts)
 
     def _schedule_waiting(self, budget: int) -> list[Sequence]:
         """Admit waiting sequences while the token budget and the free blocks allow; without chunked
@@ -162,10 +169,11 @@ class Scheduler:
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[list[int] | None],
                     logprobs: list[list[dict[int, float]] | None] | None = None,
-                    prompt_logprobs: list[list[dict[int, float]] | None] | None = None) -> list[Sequence]:
+                    prompt_logprobs: list[list[dict[int, float]] | None] | None = None,
+                    pooled: list | None = None) -> list[Sequence]:
         """Record each sequence's computed tokens, append the new tokens of those that sampled and
         retire the sequences that are done; returns the sequences that got tokens (the step's,
-        then the children it forked).
+        then the children it forked). A pooling step (``pooled``) appends none: see ``_pool``.
 
         ``token_ids`` (and ``logprobs``) hold a row per sample, ``seq.sample_indices`` of each
         sequence that samples (``seq.samples``: a request's first sample brings ``n`` rows and forks
@@ -179,6 +187,9 @@ class Scheduler:
             if prompt_logprobs is not None and prompt_logprobs[i] is not None:
                 # Entry p is token p's; a prompt recomputed after a preemption overwrites its own.
                 seq.prompt_logprobs = (seq.prompt_logprobs or [None])[:start + 1] + prompt_logprobs[i]
+            if pooled is not None:
+                stepped += self._pool(seq, pooled[i])
+                continue
             if not samples:
                 self.block_manager.cache_full_blocks(seq)  # the step wrote its K/V: keep or add cache entries
                 row += 1
@@ -223,6 +234,8 @@ class Scheduler:
             # resource limit, or no token could go on: it then allows EOS alone): this sample ends
             # ("abort", the text without the token), no other does.
             logger.warning("request %d: its grammar failed: %s", seq.request_id, seq.grammar.get_error()[:500])
+            if seq.detokenizer is not None:  # the token adds no text, and what was held back is final
+                seq.detokenizer.add([], finished=True)
             return "abort"
         at_length = seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
         # A stop token that is also the last one allowed is a stop by length, as in vLLM (whose length
@@ -243,6 +256,17 @@ class Scheduler:
             if seq.detokenizer.stopped:  # the text now holds a stop string, and is cut before it
                 reason, seq.stop_reason = "stop", seq.detokenizer.stop_string
         return reason
+
+    def _pool(self, seq: Sequence, pooled) -> list[Sequence]:
+        """A pooling request's step (runner="pooling", pooler.py): its K/V are kept as any prompt
+        chunk's are, and it holds what the model runner pooled. Once its whole prompt is computed it
+        is done, its vector attached: no decode, no sampler. Returns it then, else nothing."""
+        self.block_manager.cache_full_blocks(seq)
+        seq.pooled = pooled
+        if seq.num_computed_tokens < seq.num_tokens:
+            return []
+        self.finish(seq, "stop")
+        return [seq]
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (done, or aborted by its caller) and free its blocks at once."""

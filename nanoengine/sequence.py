@@ -60,6 +60,10 @@ class Sequence:
         self.grammar = None
         self.bad_words_token_ids: list[list[int]] = []
         self.allowed_token_mask = None
+        # A pooling request's (runner="pooling", pooler.py): its PoolingParams, and what the model
+        # runner pooled so far (a state carried across prompt chunks), its vector once it finishes.
+        self.pooling_params = None
+        self.pooled = None
         # Only when asked for: per generated token, {token_id: logprob}; per prompt token likewise.
         asked = sampling_params.logprobs is not None
         self.logprobs: list[dict[int, float]] | None = [] if asked else None

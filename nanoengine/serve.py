@@ -18,8 +18,12 @@ event, then ``[DONE]``), 503 from every endpoint, ``/health`` included, once the
 serve; every error response is logged in one line with its request id (request_log.py). What one
 request may ask for is bounded by the flags of the "request limits" group. ``/metrics`` serves
 Prometheus's text format (metrics.py), ``/tokenize`` and ``/detokenize`` the server's tokenizer
-(serving_tokenization.py); ``/ping`` (vLLM's) is ``/health``. Browsers may call it from any origin
-(CORS), as vLLM's default allows. The command line's flags are cli_args.py's.
+(serving_tokenization.py); ``/v1/responses``, OpenAI's Responses API, is served by the chat endpoint
+(serve_responses.py); ``/v1/embeddings``, a vector per input from a server started with ``--runner
+pooling``, serve_embeddings.py's; ``/ping`` (vLLM's) is ``/health``. Who may call it is serve_security.py's:
+browsers only from local pages unless ``--allowed-origins`` says otherwise (CORS), an API key with
+``--api-key``, HTTPS with ``--ssl-certfile``, and a bound on the requests in flight with
+``--max-queued-requests``. The command line's flags are cli_args.py's.
 """
 
 import asyncio
@@ -36,7 +40,6 @@ except ImportError as e:  # the server's dependencies are an extra: say which, r
     raise SystemExit(f"nanoengine.serve needs {e.name}, which the 'serve' extra installs: "
                      "pip install -e \".[serve]\"") from None
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from nanoengine.async_engine import AsyncLLMEngine, EngineDeadError
@@ -50,12 +53,15 @@ from nanoengine.openai_prompts import Echo, prompt_batch, tokenize_batch
 from nanoengine.openai_serving import generate
 from nanoengine.openai_structured import structured_outputs
 from nanoengine.request_log import RequestLog
+from nanoengine.serve_embeddings import embeddings_router
+from nanoengine.serve_responses import ResponseStore, responses_router
+from nanoengine.serve_security import AccessOptions, install_access, tls_options, warn_if_exposed
 from nanoengine.serving_tokenization import tokenization_router
 from nanoengine.tool_calls import ToolChoice
 
 
-def create_app(engine: AsyncLLMEngine, model_name: str,
-               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> FastAPI:
+def create_app(engine: AsyncLLMEngine, model_name: str, max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
+               access: AccessOptions | None = None, responses: ResponseStore | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -63,11 +69,12 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
 
     app = FastAPI(title="nanoengine", lifespan=lifespan)
     install_error_handlers(app, max_request_body_bytes)
-    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
-    max_model_len = engine.engine.config.max_model_len
     metrics = ServerMetrics(model_name)
+    install_access(app, access or AccessOptions(), metrics.requests_rejected)  # the bound, the key, CORS
+    max_model_len = engine.engine.config.max_model_len
     app.add_middleware(RequestLog)  # request ids, and a log line for every 4xx and 5xx
     app.include_router(tokenization_router(engine))  # /tokenize and /detokenize
+    app.include_router(embeddings_router(engine, model_name))  # /v1/embeddings, with --runner pooling
 
     def check_context(prompt_ids: list[list[int]], max_tokens: int | None, field: str, prompt_field: str) -> None:
         """A 400 for a request whose longest prompt and ``max_tokens`` together overrun the context,
@@ -138,6 +145,9 @@ def create_app(engine: AsyncLLMEngine, model_name: str,
                               prompt_logprobs=req.prompt_logprobs, echo=echo,
                               structured=await structured_outputs(engine, req, tools), tools=tools)
 
+    # /v1/responses and its stored responses: a Responses request is served as a chat request, here.
+    app.include_router(responses_router(model_name, chat_completions, responses or ResponseStore()))
+
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoengine", "max_model_len": max_model_len}
 
     @app.get("/v1/models")
@@ -188,6 +198,12 @@ def main() -> None:
     if args.max_request_body_bytes < 1:
         parser.error(f"--max-request-body-bytes must be a positive integer, got {args.max_request_body_bytes}")
     try:
+        access, tls = AccessOptions.from_args(args), tls_options(args)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # request_log's error lines
+    warn_if_exposed(args.host, access)
+    try:
         engine = AsyncLLMEngine(args.model, **engine_options(args))
     except ValueError as e:
         parser.error(str(e))
@@ -198,10 +214,10 @@ def main() -> None:
             engine.shutdown()
             parser.error(f"--chat-template: {e}")
     model_name = args.served_model_name or args.model or DEFAULT_MODEL_FILE.removesuffix(".gguf")
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # request_log's error lines
-    app = create_app(engine, model_name, args.max_request_body_bytes)
+    app = create_app(engine, model_name, args.max_request_body_bytes, access,
+                     responses=ResponseStore(args.max_stored_responses, args.max_stored_responses_bytes))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.access_log else "warning",
-                access_log=args.access_log)
+                access_log=args.access_log, **tls)
 
 
 if __name__ == "__main__":

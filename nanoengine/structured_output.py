@@ -30,12 +30,18 @@ import torch
 
 from nanoengine.sampling_params import StructuredOutputsParams
 
-try:
-    import llguidance
-    import llguidance.hf
-    import llguidance.torch
-except ImportError:  # optional: only a request with structured_outputs needs it
-    llguidance = None
+
+def _llguidance():
+    """The grammar library, imported at the first constrained request, not with nanoengine: it is
+    optional, and importing its torch helpers takes seconds an engine without grammars never needs."""
+    try:
+        import llguidance
+        import llguidance.gbnf_to_lark
+        import llguidance.hf
+        import llguidance.torch
+    except ImportError:
+        raise ValueError('structured_outputs needs llguidance: pip install -e ".[structured]"') from None
+    return llguidance
 
 
 MAX_CACHED_GRAMMARS = 256
@@ -69,8 +75,7 @@ class GrammarCompiler:
 
     @property
     def _llg_tokenizer(self):
-        if llguidance is None:
-            raise ValueError('structured_outputs needs llguidance: pip install -e ".[structured]"')
+        llguidance = _llguidance()  # the first use says if it is missing
         with self._vocabulary_lock:
             if self._vocabulary is None:
                 self._vocabulary = llguidance.hf.from_tokenizer(self.tokenizer, self.vocab_size,
@@ -78,7 +83,8 @@ class GrammarCompiler:
             return self._vocabulary
 
     def _compile(self, kind: str, text: str):
-        tokenizer, matcher = self._llg_tokenizer, llguidance.LLMatcher  # the first says if llguidance is missing
+        llguidance, tokenizer = _llguidance(), self._llg_tokenizer
+        matcher = llguidance.LLMatcher
         # JSON without free whitespace between its tokens (vLLM's disable_any_whitespace): a model
         # unsure how to go on could otherwise emit blanks until max_tokens.
         compact = {"whitespace_flexible": False}
@@ -203,8 +209,9 @@ def allowed_tokens(matchers: list, vocab_size: int) -> tuple[torch.Tensor, torch
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return None
-    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab_size)
+    llg_torch = _llguidance().torch
+    bitmask = llg_torch.allocate_token_bitmask(len(rows), vocab_size)
     for i, row in enumerate(rows):
-        llguidance.torch.fill_next_token_bitmask(matchers[row], bitmask, i)
+        llg_torch.fill_next_token_bitmask(matchers[row], bitmask, i)
     bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
     return torch.tensor(rows), bits.flatten(1)[:, :vocab_size].bool()

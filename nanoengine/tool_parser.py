@@ -19,10 +19,12 @@ import re
 import uuid
 
 START, END = "<tool_call>", "</tool_call>"
-# A call that names its function first, as the templates write it: its arguments can stream as they
-# come. A call written any other way is parsed once its closing tag arrives.
+# A call that names its function first, as the templates write it, with its arguments an object (or
+# a list): they can stream as they come, as written. A call written any other way is parsed once its
+# closing tag arrives; so are arguments written as a JSON string (``"{\"a\": 1}"``), which only then
+# can be unquoted, so that they are the same object in either key order.
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,'
-                  r'\s*"(?:arguments|parameters)"\s*:\s*(?=[{\["])')
+                  r'\s*"(?:arguments|parameters)"\s*:\s*(?=[{\[])')
 
 
 def new_call(name: str, arguments: str) -> dict:

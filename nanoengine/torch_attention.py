@@ -6,13 +6,28 @@ cpu_kernels.py on CPU), and the CPU runs them when its kernels cannot be built o
 case. Decode has two: ``flash_attn_with_kvcache_torch`` is tuned, because it doubles as that
 fallback; ``flash_attn_with_kvcache_plain`` is the same contract written one sequence at a time,
 for reading, and is what learner mode runs (``LLM(learner_mode=True)``).
+
+Two of flash-attn's options serve Mistral's and Gemma's layers: ``window_size=(left, right)``, a
+sliding window (a query at position p sees keys p - left .. p; HF's ``sliding_window`` W is
+left = W - 1), and ``softcap`` (Gemma 2: each scaled score s becomes softcap * tanh(s / softcap)
+before the softmax). Every backend takes both; none needs ``right``, which causal attention fixes at 0.
 """
 
 import torch
 import torch.nn.functional as F
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+def window_left(window_size: tuple[int, int], causal: bool) -> int:
+    """``window_size``'s left reach (-1: none); a ValueError for a right reach, which no model needs."""
+    left, right = window_size
+    if right != -1 and not (causal and right == 0):
+        raise ValueError(f"window_size={tuple(window_size)}: only a left window is supported (right -1, or 0 "
+                         "with causal=True)")
+    return left
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, left: int = -1,
+            softcap: float = 0.0) -> torch.Tensor:
     """Attention of one sequence: q [Lq, H, D] against k, v [Lk, Hk, D] -> [Lq, H, D].
 
     When Lq < Lk (the first keys come from the prefix cache) the causal mask is aligned to the
@@ -22,6 +37,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     # Expand K/V to every query head: with ``enable_gqa`` torch's CPU SDPA leaves its fused
     # kernel for the slow reference math (measured: 10x slower prefill in bf16).
     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    if left >= 0 or softcap:  # SDPA has no soft cap: the math, as it reads
+        query_pos, key_pos = torch.arange(lk - lq, lk, device=q.device)[:, None], torch.arange(lk, device=q.device)
+        hidden = (key_pos > query_pos) if causal else torch.zeros(lq, lk, dtype=torch.bool, device=q.device)
+        if left >= 0:
+            hidden |= key_pos < query_pos - left
+        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        probs = scores.masked_fill_(hidden, float("-inf")).softmax(dim=-1)
+        return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
     mask = None
     if causal and lq != lk:
         mask = torch.arange(lk, device=q.device) <= torch.arange(lq, device=q.device)[:, None] + (lk - lq)
@@ -33,13 +58,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
 
 
 def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 softmax_scale=None, causal=False, block_table=None):
+                                 softmax_scale=None, causal=False, block_table=None, window_size=(-1, -1),
+                                 softcap=0.0):
     """Reference for flash-attn's ``flash_attn_varlen_func`` (the subset nanoengine uses).
 
     Without ``block_table``, k and v are packed like q. With it, k and v are the paged caches
     ``[num_blocks, block_size, Hk, D]`` and sequence i's keys are read through block_table[i].
     Each sequence attends only to its own keys, so packed neighbours never mix.
     """
+    left = window_left(window_size, causal)
     out = torch.empty_like(q)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     block_size = k.shape[1] if block_table is not None else 0
@@ -51,12 +78,12 @@ def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
             seqlen_k = cu_k[i + 1] - cu_k[i]
             blocks = block_table[i, :(seqlen_k + block_size - 1) // block_size]
             k_i, v_i = k[blocks].flatten(0, 1)[:seqlen_k], v[blocks].flatten(0, 1)[:seqlen_k]
-        out[cu_q[i]:cu_q[i + 1]] = _attend(q_i, k_i, v_i, softmax_scale, causal)
+        out[cu_q[i]:cu_q[i + 1]] = _attend(q_i, k_i, v_i, softmax_scale, causal, left, softcap)
     return out
 
 
 def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,
-                                  causal=False):
+                                  causal=False, window_size=(-1, -1), softcap=0.0):
     """Reference for flash-attn's ``flash_attn_with_kvcache`` over a paged cache.
 
     q is ``[batch, seqlen_q, H, D]``; sequence b's keys are the first ``cache_seqlens[b]`` slots
@@ -64,6 +91,7 @@ def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_tabl
     block table; the mask hides the padding. A row of length 0 (a padded batch row) gives zeros.
     """
     batch, seqlen_q, num_heads, head_dim = q.shape
+    left = window_left(window_size, causal)
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     scale = softmax_scale or head_dim ** -0.5
@@ -81,8 +109,14 @@ def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_tabl
     scores = torch.matmul(q.reshape(batch, num_kv_heads, seqlen_q * group, head_dim), k.transpose(2, 3))
     # Query j of sequence b sits at position cache_seqlens[b] - seqlen_q + j and sees keys up to it.
     limit = cache_seqlens[:, None] - seqlen_q + (torch.arange(seqlen_q, device=q.device) if causal else seqlen_q - 1)
-    masked = torch.arange(k.shape[2], device=q.device) > limit[:, :, None]  # [batch, seqlen_q, keys]
+    key_pos = torch.arange(k.shape[2], device=q.device)
+    masked = key_pos > limit[:, :, None]  # [batch, seqlen_q, keys]
+    if left >= 0:
+        query_pos = cache_seqlens[:, None] - seqlen_q + torch.arange(seqlen_q, device=q.device)
+        masked |= key_pos < (query_pos - left)[:, :, None]
     scores = (scores.float() * scale).view(batch, num_kv_heads, seqlen_q, group, -1)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     probs = scores.masked_fill_(masked[:, None, :, None], float("-inf")).softmax(dim=-1)
     out = torch.matmul(probs.view(batch, num_kv_heads, seqlen_q * group, -1).to(v.dtype), v)
     out = out.view(batch, num_kv_heads, seqlen_q, group, head_dim).transpose(1, 2)
@@ -91,7 +125,7 @@ def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_tabl
 
 
 def flash_attn_with_kvcache_plain(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,
-                                  causal=False):
+                                  causal=False, window_size=(-1, -1), softcap=0.0):
     """``flash_attn_with_kvcache`` one sequence at a time, as the math reads; same contract as the
     tuned version above (tested against it), many times slower on a large batch.
 
@@ -100,6 +134,7 @@ def flash_attn_with_kvcache_plain(q, k_cache, v_cache, cache_seqlens, block_tabl
     """
     batch, seqlen_q, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    left = window_left(window_size, causal)
     scale = softmax_scale or head_dim ** -0.5
     out = torch.zeros_like(q)  # a row of length 0 (a padded batch row) stays zero, as in flash-attn
     for b in range(batch):
@@ -112,8 +147,14 @@ def flash_attn_with_kvcache_plain(q, k_cache, v_cache, cache_seqlens, block_tabl
         # Grouped-query attention: each kv head serves num_heads // num_kv_heads query heads.
         k, v = (t.repeat_interleave(num_heads // num_kv_heads, dim=1) for t in (k, v))
         scores = torch.einsum("qhd,khd->hqk", q[b].float(), k) * scale  # [H, seqlen_q, n]
-        if causal:  # query j sits at position n - seqlen_q + j and sees the keys up to it
-            query_pos = torch.arange(n - seqlen_q, n, device=q.device)
-            scores.masked_fill_(torch.arange(n, device=q.device) > query_pos[:, None], float("-inf"))
+        if softcap:  # Gemma 2: scores squashed into (-softcap, softcap)
+            scores = softcap * torch.tanh(scores / softcap)
+        # Query j sits at position n - seqlen_q + j; causal, it sees the keys up to it; with a
+        # window, none before position - left.
+        query_pos, key_pos = torch.arange(n - seqlen_q, n, device=q.device)[:, None], torch.arange(n, device=q.device)
+        if causal:
+            scores.masked_fill_(key_pos > query_pos, float("-inf"))
+        if left >= 0:
+            scores.masked_fill_(key_pos < query_pos - left, float("-inf"))
         out[b] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
     return out

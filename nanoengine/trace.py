@@ -152,6 +152,9 @@ class StepObserver:
                        f"{self.engine.block_manager.blocks[src].ref_count})")
 
     def _observe_postprocess(self, seqs: list[Sequence], token_ids, *args) -> list[Sequence]:
+        rows, row = {}, 0  # each sampling sequence's first row of ``token_ids``, as postprocess reads them
+        for seq in seqs:
+            rows[seq.seq_id], row = row, row + (len(seq.sample_indices) if seq.samples else 1)
         if self.write is not None:
             self._body(seqs)  # before postprocess: the step's own positions and block tables
         stepped = self._postprocess(seqs, token_ids, *args)
@@ -161,7 +164,7 @@ class StepObserver:
             self.write(f"  sampled   {words or '(nothing: only prompt chunks ran)'}")
             for seq in seqs:
                 if seq.seq_id in self.drafts:
-                    self._verified(seq, *self.drafts[seq.seq_id])
+                    self._verified(seq, *self.drafts[seq.seq_id], token_ids[rows[seq.seq_id]])
             for child in stepped[len([seq for seq in seqs if seq in stepped]):]:  # postprocess lists them last
                 refs = " ".join(f"{b}:{self.engine.block_manager.blocks[b].ref_count}" for b in child.block_table)
                 self.write(f"  forked    #{child.seq_id} from #{child.request_id}: shares its blocks by reference "
@@ -173,22 +176,25 @@ class StepObserver:
             self.write("")
         return stepped
 
-    def _verified(self, seq: Sequence, drafts: list[int], table: list[int]) -> None:
-        """Speculative decoding: which drafts the step accepted, and what it took back out of the cache."""
+    def _verified(self, seq: Sequence, drafts: list[int], table: list[int], given: list[int]) -> None:
+        """Speculative decoding: which drafts the step accepted, what a stop cut, and what it took back
+        out of the cache. ``given``: the step's tokens for the sequence, the accepted drafts then the
+        model's own; a stop among them keeps only those up to it (``num_new_tokens``)."""
         decode, bs = self.engine.tokenizer.decode, self.engine.block_manager.block_size
-        # The tokens appended: the drafts accepted, then (unless a stop came first) the model's own.
-        new = seq.token_ids[-seq.num_new_tokens:]
-        accepted = next((i for i, (d, t) in enumerate(zip(drafts, new)) if d != t), min(len(drafts), len(new)))
-        own, rejected = new[accepted:], drafts[accepted:]
+        accepted, kept = len(given) - 1, seq.num_new_tokens
         self.write(f"  verified  #{seq.seq_id} proposed {decode(drafts)!r} ({len(drafts)} drafts): accepted "
-                   f"{decode(drafts[:accepted])!r}" + (f", then the model's own {decode(own)!r}" if own else ""))
-        if rejected:
-            first = seq.num_tokens - len(new) + accepted  # the first rejected draft's position
-            slots = [table[p // bs] * bs + p % bs for p in range(first, first + len(rejected))]
+                   f"{decode(drafts[:accepted])!r} ({accepted}), then the model's own {decode(given[-1:])!r}")
+        if kept < len(given):
+            self.write(f"  stopped   at {decode(given[kept - 1:kept])!r}: {decode(given[kept:])!r} after it "
+                       f"{'is' if len(given) - kept == 1 else 'are'} dropped")
+        if taken := drafts[min(accepted, kept):]:  # drafts whose position the sequence does not keep
+            first = seq.num_tokens - kept + min(accepted, kept)  # the first one's position
+            slots = [table[p // bs] * bs + p % bs for p in range(first, first + len(taken))]
             freed = [b for b in table if b not in seq.block_table] if not seq.is_finished else []
-            self.write(f"  rejected  {decode(rejected)!r}: their K/V in slots {ranges(slots)} are past the sequence's "
-                       f"length, never read, overwritten later" + (f"; blocks {freed}, which held only them, are "
-                                                                  f"freed" if freed else ""))
+            # refused by the model, or (a stop inside the accepted run) dropped with what followed the stop
+            self.write(f"  {'rejected' if kept > accepted else 'dropped '}  {decode(taken)!r}: their K/V in slots "
+                       f"{ranges(slots)} are past the sequence's length, never read, overwritten later"
+                       + (f"; blocks {freed}, which held only them, are freed" if freed else ""))
 
     def _body(self, seqs: list[Sequence]) -> None:
         ctx, bm = self.ctx, self.engine.block_manager

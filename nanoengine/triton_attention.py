@@ -15,6 +15,10 @@ functions attention.py calls (the subset nanoengine uses), over the same paged K
   like the queries (a prefill with nothing cached).
 - Causal, aligned to the bottom right as in flash-attn: with ``Lq`` queries over ``Lk`` keys,
   query ``i`` sits at position ``Lk - Lq + i`` and sees the keys up to it.
+- A sliding window (``WINDOW`` = window_size's left, Mistral's and Gemma's layers) hides the keys
+  more than ``WINDOW`` positions before a query, and skips the key tiles left of the tile's window;
+  ``SOFTCAP`` (Gemma 2) caps each score, softcap * tanh(score / softcap). Both are compile-time
+  constants, so a kernel without them is the same as before.
 - Decode (``flash_attn_with_kvcache_triton``) is the same kernel with one query per sequence. One
   sequence alone would be a handful of programs on a GPU of a hundred cores, so each sequence's
   keys are cut into ``num_splits`` stretches, a program each (flash-decoding); the stretches'
@@ -32,6 +36,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from nanoengine.torch_attention import window_left
 
 try:
     import triton
@@ -62,7 +68,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
                       scale, num_heads,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-                      NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+                      NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+                      WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     tile, seq = tl.program_id(0), tl.program_id(1)
     kv_head, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
     q_start = tl.load(cu_q_ptr + seq)
@@ -86,6 +93,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
     per_split = tl.cdiv(tl.cdiv(end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
     stop = tl.minimum(end, start + per_split)
+    if WINDOW >= 0:  # the tile's first query sees nothing before its position - WINDOW
+        start = tl.maximum(start, k_len - q_len + (tile * BLOCK_M) // GROUP - WINDOW)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores, in log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running sum of exp2(score - m_i) * value
@@ -104,7 +113,12 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
         allowed = key_mask[None, :]
         if CAUSAL:
             allowed = allowed & (pos[None, :] <= query_pos[:, None])
-        s = tl.where(allowed, tl.dot(q, k, input_precision=PRECISION) * scale, float("-inf"))
+        if WINDOW >= 0:
+            allowed = allowed & (pos[None, :] >= query_pos[:, None] - WINDOW)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale
+        if SOFTCAP > 0:  # scale is in log2 units and SOFTCAP too: tanh(s / SOFTCAP) is tanh(score / softcap)
+            s = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * s / SOFTCAP) + 1.0))
+        s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2(-inf) = 0, not NaN
         p = tl.exp2(s - m_safe[:, None])
@@ -149,9 +163,10 @@ def tile_sizes(rows: int, head_dim: int, itemsize: int) -> tuple[int, int, int]:
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, block_table,
-               num_splits=1):
+               window_size, softcap, num_splits=1):
     """Launch ``_attention_kernel`` over q ``[num_tokens, H, D]`` (the last dimension contiguous)."""
     num_tokens, num_heads, head_dim = q.shape
+    left = window_left(window_size, causal)
     num_kv_heads = k.shape[-2]
     group = num_heads // num_kv_heads
     if q.stride(-1) != 1:
@@ -173,7 +188,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
         q, k, v, parts, lse, cu_seqlens_q, cu_seqlens_k, block_table, q.stride(0), q.stride(1), *stride_k,
         *stride_v, stride_bt, (softmax_scale or head_dim ** -0.5) * LOG2E, num_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-        NUM_SPLITS=num_splits, CAUSAL=causal, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        NUM_SPLITS=num_splits, CAUSAL=causal, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WINDOW=left, SOFTCAP=softcap * LOG2E)
     if num_splits > 1:
         jit(_merge_kernel)[(num_tokens * num_heads,)](parts, lse, out, HEAD_DIM=head_dim, BLOCK_D=block_d,
                                                       NUM_SPLITS=num_splits)
@@ -181,10 +197,12 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
 
 
 def flash_attn_varlen_func_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  softmax_scale=None, causal=False, block_table=None):
+                                  softmax_scale=None, causal=False, block_table=None, window_size=(-1, -1),
+                                  softcap=0.0):
     """flash-attn's ``flash_attn_varlen_func``: packed sequences; k and v packed like q, or the paged
     caches read through ``block_table`` (then each sequence's keys start in the cache)."""
-    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, block_table)
+    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, block_table,
+                      window_size, softcap)
 
 
 @functools.cache
@@ -203,7 +221,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_keys: int, device: torc
 
 
 def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,
-                                   causal=False):
+                                   causal=False, window_size=(-1, -1), softcap=0.0):
     """flash-attn's ``flash_attn_with_kvcache`` for decode: q ``[batch, 1, H, D]``, sequence b's keys
     the first ``cache_seqlens[b]`` slots of its blocks; a row of length 0 (a padded row) gives zeros."""
     batch, seqlen_q = q.shape[:2]
@@ -214,5 +232,6 @@ def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_tab
     cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
     torch.cumsum(cache_seqlens, 0, out=cu_k[1:])
     num_splits = decode_num_splits(batch, k_cache.shape[2], block_table.shape[1] * k_cache.shape[1], q.device)
-    out = _attention(q[:, 0], k_cache, v_cache, cu_q, cu_k, 1, softmax_scale, causal, block_table, num_splits)
+    out = _attention(q[:, 0], k_cache, v_cache, cu_q, cu_k, 1, softmax_scale, causal, block_table, window_size,
+                     softcap, num_splits)
     return out.unsqueeze(1)

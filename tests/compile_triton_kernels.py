@@ -48,7 +48,7 @@ def attention_configs(dtype: str):
             block_m, block_n, block_d = tile_sizes(rows, head_dim, ITEMSIZE[dtype])
             constexprs = dict(GROUP=2, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
                               PAGE=page, NUM_SPLITS=splits, CAUSAL=True,
-                              PRECISION="ieee" if dtype == "fp32" else "tf32")
+                              PRECISION="ieee" if dtype == "fp32" else "tf32", WINDOW=-1, SOFTCAP=0.0)
             types = {"cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "block_table_ptr": "*i32", "scale": "fp32",
                      "out_ptr": f"*{dtype}" if splits == 1 else "*fp32", "lse_ptr": "*fp32"}
             if splits == 1:

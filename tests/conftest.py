@@ -102,7 +102,8 @@ def tokenizer():
 
 
 def make_tiny_model(path: str, arch: str, tokenizer, seed: int = 0, **config_overrides) -> str:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
+                              Phi3Config, Qwen2Config, Qwen3Config)
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   rms_norm_eps=1e-6, initializer_range=0.25, bos_token_id=tokenizer.bos_token_id,
@@ -111,6 +112,20 @@ def make_tiny_model(path: str, arch: str, tokenizer, seed: int = 0, **config_ove
         "llama": lambda: LlamaConfig(**common, tie_word_embeddings=True, rope_theta=100000.0),
         "qwen2": lambda: Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1000000.0),
         "qwen3": lambda: Qwen3Config(**common, head_dim=32, tie_word_embeddings=False),
+        # The families of model_families.py, with a window of 8 (prompts cross it), Gemma's softmax
+        # scale unlike head_dim ** -0.5, and soft caps low enough to bend these weights' scores.
+        "mistral": lambda: MistralConfig(**common, sliding_window=8, tie_word_embeddings=False, rope_theta=10000.0),
+        "gemma2": lambda: Gemma2Config(**common, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                                       attn_logit_softcapping=5.0, final_logit_softcapping=20.0),
+        "gemma3": lambda: Gemma3TextConfig(**common, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                                           layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                               "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                  "rope_theta": 1000000.0}}),
+        # LongRoPE over half of each head (Phi-4-mini turns 3/4 of it), trained on 64 positions.
+        "phi3": lambda: Phi3Config(**common, sliding_window=8, original_max_position_embeddings=64, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.3, 1.7, 2.5], "long_factor": [1.0, 2.0, 4.0, 9.0]}),
     }[arch]()
     config.update(config_overrides)
     torch.manual_seed(seed)
@@ -121,6 +136,29 @@ def make_tiny_model(path: str, arch: str, tokenizer, seed: int = 0, **config_ove
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def make_copying_model(path: str, tokenizer) -> str:
+    """A tiny Llama whose greedy output repeats its input's last token forever, on every kernel path.
+
+    For tests that need text which repeats (n-gram lookup must find its drafts), whatever the CPU
+    kind summed: attention and MLP outputs are zeroed, so the final hidden state is the token's own
+    embedding; every embedding row has the same norm and the final norm's weight is 1, so the tied
+    logits are ``|e| * |e_t| * cos`` and the token itself wins by Cauchy-Schwarz with a wide margin
+    (random 64-dim rows: the best other cosine is about 0.6).
+    """
+    from transformers import AutoModelForCausalLM
+    make_tiny_model(path, "llama", tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight
+        embed.copy_(embed / embed.norm(dim=-1, keepdim=True))
+        model.model.norm.weight.fill_(1.0)
+    model.save_pretrained(path)
     return path
 
 

@@ -374,3 +374,16 @@ def test_a_lone_surrogate_in_a_prompt_is_a_value_error_naming_the_prompt(llm, te
     with pytest.raises(ValueError, match="not valid Unicode text"):
         llm.chat([{"role": "user", "content": text}], GREEDY, use_tqdm=False)
     assert_still_usable(llm)
+
+
+def test_an_engine_without_grammars_or_a_server_never_imports_their_libraries(tiny_models):
+    """Pay for what you use: llguidance (seconds to import) and the server's libraries load at the first
+    request that needs them, not with nanoengine nor with an engine that serves plain requests."""
+    import subprocess
+    import sys
+    code = ("import sys; from nanoengine import LLM, SamplingParams; "
+            f"LLM({tiny_models['llama']!r}, device='cpu').generate(['Hi'], SamplingParams(max_tokens=2), use_tqdm=False); "
+            "print(sorted(m for m in ('llguidance', 'fastapi', 'uvicorn', 'openai') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -21,14 +21,20 @@ SCALE = D ** -0.5
 GQA = [(4, 4), (4, 2), (4, 1)]  # (query heads, kv heads)
 
 
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [Lq, H, D], k and v [Lk, Hk, D] -> [Lq, H, D], computed naively in float64."""
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
+                           softcap: float = 0.0) -> torch.Tensor:
+    """q [Lq, H, D], k and v [Lk, Hk, D] -> [Lq, H, D], computed naively in float64. With ``window``
+    (HF's sliding_window), a query at position p sees only the keys after p - window; with
+    ``softcap``, scores s become softcap * tanh(s / softcap)."""
     lq, num_heads = q.shape[:2]
     lk, num_kv_heads = k.shape[:2]
     group = num_heads // num_kv_heads
     q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
-    allowed = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+    query_pos, key_pos = torch.arange(lq)[:, None] + (lk - lq), torch.arange(lk)[None, :]
+    allowed = (key_pos <= query_pos) & (key_pos > query_pos - (window or lk + 1))
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
@@ -64,8 +70,15 @@ def cu_seqlens(lengths: list[int], device) -> torch.Tensor:
     return torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
 
 
+def attention_options(window: int | None, softcap: float) -> dict:
+    """flash-attn's keyword arguments for HF's ``sliding_window`` and a soft cap; none when unused, so
+    that the plain cases call each kernel exactly as the Llama path does."""
+    return ({"window_size": (window - 1, 0)} if window else {}) | ({"softcap": softcap} if softcap else {})
+
+
 def varlen_case(lengths: list[tuple[int, int]], heads: tuple[int, int], block_size: int | None,
-                device="cpu", dtype=torch.float32, seed: int = 0, head_dim: int = D):
+                device="cpu", dtype=torch.float32, seed: int = 0, head_dim: int = D, window: int | None = None,
+                softcap: float = 0.0):
     """A packed prefill: sequence i has ``cached`` tokens already in the cache and ``new`` queries.
     Without a block size (no cached prefix) K/V are packed like q; with one, they come paged."""
     gen = torch.Generator().manual_seed(seed)
@@ -76,17 +89,18 @@ def varlen_case(lengths: list[tuple[int, int]], heads: tuple[int, int], block_si
     kwargs = dict(cu_seqlens_q=cu_seqlens([n for _, n in lengths], device),
                   cu_seqlens_k=cu_seqlens([c + n for c, n in lengths], device),
                   max_seqlen_q=max(n for _, n in lengths), max_seqlen_k=max(c + n for c, n in lengths),
-                  softmax_scale=head_dim ** -0.5, causal=True)
+                  softmax_scale=head_dim ** -0.5, causal=True, **attention_options(window, softcap))
     if block_size is None:
         k, v = torch.cat(keys), torch.cat(values)
     else:
         k, v, kwargs["block_table"] = paged_cache(keys, values, block_size, gen)
-    expected = torch.cat([dense_causal_attention(*qkv) for qkv in zip(queries, keys, values)])
+    expected = torch.cat([dense_causal_attention(*qkv, window, softcap) for qkv in zip(queries, keys, values)])
     return (torch.cat(queries), k, v), kwargs, expected
 
 
 def decode_case(cache_seqlens: list[int], heads: tuple[int, int], block_size: int, device="cpu",
-                dtype=torch.float32, extra_columns: int = 0, seed: int = 0, head_dim: int = D):
+                dtype=torch.float32, extra_columns: int = 0, seed: int = 0, head_dim: int = D,
+                window: int | None = None, softcap: float = 0.0):
     """One query per sequence over ``cache_seqlens[b]`` cached tokens (this step's included)."""
     gen = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads = heads
@@ -95,9 +109,9 @@ def decode_case(cache_seqlens: list[int], heads: tuple[int, int], block_size: in
     q = rand(gen, len(cache_seqlens), 1, num_heads, head_dim, device=device, dtype=dtype)
     k_cache, v_cache, table = paged_cache(keys, values, block_size, gen, extra_columns)
     kwargs = dict(cache_seqlens=torch.tensor(cache_seqlens, dtype=torch.int32, device=device), block_table=table,
-                  softmax_scale=head_dim ** -0.5, causal=True)
+                  softmax_scale=head_dim ** -0.5, causal=True, **attention_options(window, softcap))
     # A row with nothing in its cache (a padded batch row) gives zeros, as in flash-attn.
-    expected = torch.stack([dense_causal_attention(q[b], k, v) if len(k)
+    expected = torch.stack([dense_causal_attention(q[b], k, v, window, softcap) if len(k)
                             else torch.zeros_like(q[b], dtype=torch.float64)
                             for b, (k, v) in enumerate(zip(keys, values))])
     return (q, k_cache, v_cache), kwargs, expected
@@ -134,6 +148,54 @@ def test_varlen_matches_dense_causal_per_sequence(prefill_attention, lengths, bl
     args, kwargs, expected = varlen_case(lengths, heads, block_size)
     out = prefill_attention(*args, **kwargs)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+# Mistral's sliding window (here of 5 and 16 keys, within and across blocks and the kernel's tiles)
+# and Gemma 2's soft cap (scores of random q, k reach about 4: a cap of 2 squashes them hard).
+WINDOWS_AND_CAPS = [(5, 0.0), (16, 0.0), (None, 2.0), (5, 2.0)]
+
+
+@pytest.mark.parametrize("window, softcap", WINDOWS_AND_CAPS)
+@pytest.mark.parametrize("lengths, block_size", [(MIXED, None), (WITH_PREFIX, 4), (ONE_QUERY_EACH, 16)])
+def test_varlen_with_sliding_window_and_softcap_matches_dense(prefill_attention, lengths, block_size, window,
+                                                              softcap):
+    args, kwargs, expected = varlen_case(lengths, (4, 2), block_size, window=window, softcap=softcap)
+    torch.testing.assert_close(prefill_attention(*args, **kwargs).double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window, softcap", WINDOWS_AND_CAPS)
+@pytest.mark.parametrize("threads", [1, 8])  # 8: a stretch of blocks per task, some left of the window
+def test_decode_with_sliding_window_and_softcap_matches_dense(decode_attention, window, softcap, threads):
+    args, kwargs, expected = decode_case(DECODE_LENGTHS, (4, 2), 4, window=window, softcap=softcap)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = decode_attention(*args, **kwargs)
+        single = decode_attention(args[0][4:5], *args[1:], **kwargs | {
+            "cache_seqlens": kwargs["cache_seqlens"][4:5], "block_table": kwargs["block_table"][4:5]})
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(single.double(), expected[4:5], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_cpu_kernels_window_and_softcap_at_head_size_64(dtype, tol):
+    """bf16 at head size 64: where the CPU has AVX512-BF16 decode and AMX prefill, the window and the
+    cap must reach them too (AMX prefill hands such layers to the generic kernel)."""
+    assert cpu_library.load("cpu_attention.cpp", 64) is not None
+    args, kwargs, expected = varlen_case(WITH_PREFIX + [(0, 70)], (4, 2), 16, dtype=dtype, head_dim=64, window=9,
+                                         softcap=3.0)
+    torch.testing.assert_close(flash_attn_varlen_func_cpu(*args, **kwargs).double(), expected, atol=tol, rtol=tol)
+    args, kwargs, expected = decode_case([1, 16, 0, 77], (4, 2), 16, dtype=dtype, head_dim=64, window=9, softcap=3.0)
+    torch.testing.assert_close(flash_attn_with_kvcache_cpu(*args, **kwargs).double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("attention", [flash_attn_varlen_func_torch, flash_attn_varlen_func_cpu])
+def test_a_right_window_is_a_value_error(attention):
+    args, kwargs, _ = varlen_case(MIXED, (4, 2), None)
+    with pytest.raises(ValueError, match="window_size"):
+        attention(*args, **kwargs | {"causal": False, "window_size": (4, 4)})
 
 
 @pytest.mark.parametrize("block_size", [4, 16, 256])

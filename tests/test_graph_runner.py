@@ -156,12 +156,12 @@ def test_replayed_kernel_that_refuses_an_index_raises_value_error(tiny_models):
 
 
 def test_cpu_graphs_stop_at_their_batch_size_cap(tiny_models):
-    engine = LLMEngine(tiny_models["llama"], max_num_seqs=CPU_GRAPH_MAX_BATCH + 8, max_model_len=64)
-    graph_runner = engine.model_runner.graph_runner
+    llm = LLM(tiny_models["llama"], max_num_seqs=CPU_GRAPH_MAX_BATCH + 8, max_model_len=64)
+    graph_runner = llm.model_runner.graph_runner
     prompts = [[i + 1, i + 2] for i in range(CPU_GRAPH_MAX_BATCH + 8)]
     # Decode steps of 40 sequences, then (8 done) of 32.
     params = [SamplingParams(temperature=0, max_tokens=3 if i < 8 else 5, ignore_eos=True) for i in range(len(prompts))]
-    LLM.generate(engine, prompts, params, use_tqdm=False)
+    llm.generate(prompts, params, use_tqdm=False)
     assert sorted(graph_runner.graphs) == [(CPU_GRAPH_MAX_BATCH, 1)]  # the bucket of 40 decoded eagerly
 
 

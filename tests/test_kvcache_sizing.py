@@ -57,9 +57,9 @@ def test_model_is_created_in_its_final_dtype(tiny_models, monkeypatch):
     float32, and the process's default dtype left as it was."""
     seen = {}
 
-    def check_then_load(model, path):
+    def check_then_load(model, path, **kwargs):
         seen["dtypes"] = {p.dtype for p in model.parameters()}
-        load_weights(model, path)
+        load_weights(model, path, **kwargs)
 
     load_weights = model_runner.load_weights
     monkeypatch.setattr(model_runner, "load_weights", check_then_load)

@@ -72,3 +72,12 @@ def test_learner_mode_runs_no_cpu_kernel_and_keeps_plain_weights(tiny_models):
 def test_learner_mode_must_be_a_bool(tiny_models):
     with pytest.raises(ValueError, match="learner_mode"):
         LLM(tiny_models["llama"], learner_mode="yes")
+
+
+@pytest.mark.parametrize("kernels", ["flash-attn", "triton", "torch"])
+def test_learner_mode_on_cuda_stores_kv_through_torch_too(kernels):
+    """Learner mode runs no graphs, so on CUDA too the store is the torch one a debugger steps into."""
+    from nanoengine.attention import get_backend
+    backend = get_backend(kernels, torch.device("cuda"), learner_mode=True)
+    assert backend.store_kvcache is store_kvcache_torch
+    assert backend.flash_attn_with_kvcache is flash_attn_with_kvcache_plain

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from nanoengine import LLM, SamplingParams
 from nanoengine.config import Config
 from nanoengine.linear import Linear
-from nanoengine import cpu_dispatch, cpu_kernels, int8_gemm
+from nanoengine import cpu_dispatch, cpu_kernels, int8_gemm, quantization
 from tests.test_int8_gemm import needs_gemm
 from nanoengine.quantization import (FORMATS, GROUP_SIZE, can_quantize, dequantize_int4, dequantize_int8,
-                                     dequantize_packed, quantize_int4, quantize_int8, quantize_weight)
+                                     dequantize_packed, pack_int4, pack_int8, packed_row_blocks, quantize_int4,
+                                     quantize_int8, quantize_weight)
 from nanoengine.sequence import Sequence
 
 # The README's opening as it was when the bounds were set (1,000 tokens of the default model's
@@ -123,6 +124,27 @@ def dequantized(w: torch.Tensor, fmt: str) -> torch.Tensor:
 def test_packed_weight_reads_back_as_the_quantized_values(fmt):
     w = weight(24, 3 * GROUP_SIZE)
     assert torch.equal(dequantize_packed(*quantize_weight(w, fmt)), dequantized(w, fmt))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantizing_a_block_of_rows_at_a_time_gives_the_whole_weights_bits(fmt, monkeypatch):
+    """quantize_weight quantizes about QUANTIZE_BLOCK weights at a time, so that its float32
+    temporaries are a block's and not the weight's; every row is quantized alone, so the blocks (a
+    short last one too) give the bits of the weight quantized whole. So does int8_gemm.py's copy,
+    which Linear.quantize makes from the quantized weight a block at a time."""
+    monkeypatch.setattr(quantization, "QUANTIZE_BLOCK", 16 * 3 * GROUP_SIZE)  # blocks of 16 rows
+    w = weight(40, 3 * GROUP_SIZE)
+    qweight, scales = quantize_weight(w, fmt)
+    if fmt == "int8":
+        q, whole_scales = quantize_int8(w)
+        assert torch.equal(qweight, pack_int8(q)) and torch.equal(scales, whole_scales)
+    else:
+        assert scales is None and torch.equal(qweight, pack_int4(*quantize_int4(w)))
+    blocks = [int8_gemm.quantize_weight(dequantize_packed(q, s)) for q, s in packed_row_blocks(qweight, scales)]
+    assert [len(q) for q, _ in blocks] == [16, 16, 8]
+    gemm_q, gemm_scales = int8_gemm.quantize_weight(dequantize_packed(qweight, scales))
+    assert torch.equal(torch.cat([q for q, _ in blocks]), gemm_q)
+    assert torch.equal(torch.cat([s for _, s in blocks]), gemm_scales)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -8,6 +8,7 @@ completion is fixed by its prompt, and must come out the same however often it i
 and recomputed, whatever else shares its batches.
 """
 
+import copy
 from dataclasses import dataclass
 
 import pytest
@@ -389,8 +390,12 @@ def drive(config: dict, requests: list[Request]) -> Scheduler:
         num_tokens = [s.num_tokens for s in waiting + running]
         head_fits = bool(waiting) and len(running) < max_num_seqs and bm.can_allocate(waiting[0])
 
+        without_drafts = copy.deepcopy(scheduler)  # the same step had nobody brought drafts
+        for s in without_drafts.waiting + without_drafts.running:
+            s.spec_token_ids = []
         batch = scheduler.schedule().seqs
         assert batch and len(set(batch)) == len(batch)
+        check_drafts_come_last(scheduler, batch, without_drafts)
         assert [s.num_tokens for s in waiting + running] == num_tokens, "preemption keeps generated tokens"
         computed = sum(s.num_scheduled_tokens for s in batch)
         assert computed <= budget and len(scheduler.running) <= max_num_seqs
@@ -436,6 +441,18 @@ def drive(config: dict, requests: list[Request]) -> Scheduler:
         else:
             assert (seq.completion_token_ids, seq.finish_reason) == (completion, reason)
     return scheduler
+
+
+def check_drafts_come_last(scheduler: Scheduler, batch: list[Sequence], without_drafts: Scheduler) -> None:
+    """Drafts get only what the step would leave unused without them: the same sequences run (in the
+    same order, each with the same required tokens), the same prompts are admitted and the same
+    sequences preempted, as if no sequence had brought a draft."""
+    plain = without_drafts.schedule().seqs
+    assert [s.seq_id for s in batch] == [s.seq_id for s in plain], "a draft displaced another sequence"
+    assert [s.num_scheduled_tokens - len(s.spec_token_ids) for s in batch] == \
+        [s.num_scheduled_tokens for s in plain], "a draft took a required token's place"
+    assert scheduler.num_preemptions == without_drafts.num_preemptions, "a draft caused a preemption"
+    assert [s.seq_id for s in scheduler.waiting] == [s.seq_id for s in without_drafts.waiting]
 
 
 def check_chunked_step(scheduler: Scheduler, batch: list[Sequence], admitted: list[Sequence],
@@ -487,6 +504,23 @@ def test_drafts_that_do_not_fit_the_free_blocks_are_cut_and_preempt_nobody():
     seqs, _ = scheduler.schedule()
     assert seqs == [a, b] and scheduler.num_preemptions == 0
     assert a.spec_token_ids == [9, 10] and a.num_scheduled_tokens == 3 and len(a.block_table) == 2
+
+
+def test_drafts_get_only_the_budget_and_blocks_that_required_tokens_and_prompts_leave():
+    """Chunked prefill, a budget of 4: the older sequence's 3 drafts wait for the younger one's token
+    and a new prompt; then, with 3 free blocks, they take none that a younger sequence's token needs."""
+    scheduler, runner = make_scheduler(num_blocks=7, block_size=2, max_num_batched_tokens=4, chunked=True)
+    a, b = add(scheduler, [1, 2, 3]), add(scheduler, [4])
+    step(scheduler, runner)  # a: 3 prompt tokens and 1 generated, b: 1 + 1
+    a.spec_token_ids = [5, 6, 7]
+    c = add(scheduler, [8, 9])
+    seqs, _ = scheduler.schedule()
+    assert seqs == [a, b, c] and [s.num_scheduled_tokens for s in seqs] == [1, 1, 2] and a.spec_token_ids == []
+    scheduler.postprocess(seqs, runner.run(seqs))
+    assert scheduler.block_manager.num_free_blocks == 3
+    a.spec_token_ids = [5, 6, 7]  # each token needs a new block; a's drafts after the first, another
+    seqs, _ = scheduler.schedule()
+    assert seqs == [a, b, c] and scheduler.num_preemptions == 0 and a.spec_token_ids == [5]
 
 
 @pytest.mark.parametrize("chunked", [False, True])

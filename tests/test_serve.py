@@ -36,18 +36,26 @@ def server_log(tmp_path_factory):
     return tmp_path_factory.mktemp("serve") / "server.log"
 
 
-@pytest.fixture(scope="module")
-def server(tiny_models, server_log):
+@contextmanager
+def subprocess_server(args: list[str], log_path) -> Iterator[str]:
+    """``python -m nanoengine.serve ARGS`` (bench_serving.py starts it), its output in ``log_path``;
+    yields its URL once healthy, and fails the test with its log if it exits before."""
     from bench_serving import nanoengine_server
-    args = ["--model", tiny_models["llama"], "--dtype", "float32", "--device", "cpu", "--served-model-name",
-            "tiny-served", "--enforce-eager", "--access-log"]
-    with open(server_log, "w+") as log:
+    with open(log_path, "w+") as log:
         try:
             with nanoengine_server(args, output=log) as url:
                 yield url
         except SystemExit as e:  # it exited before it was healthy
             log.seek(0)
             pytest.fail(f"{e}:\n{log.read()}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, server_log):
+    args = ["--model", tiny_models["llama"], "--dtype", "float32", "--device", "cpu", "--served-model-name",
+            "tiny-served", "--enforce-eager", "--access-log"]
+    with subprocess_server(args, server_log) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -305,6 +313,28 @@ def test_every_error_has_openai_shape(server, method, path, kwargs, status, mess
     assert error["message"].startswith(message)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("size", [(4 << 20) + 1, 10_000_000], ids=["just-over", "10MB"])
+def test_a_client_that_sends_all_of_a_body_too_large_reads_its_413(server, size, chunked):
+    """urllib, as requests and most SDKs, sends the whole body before it reads the response (and
+    says "Connection: close"): the server closed the connection on the bytes it had not read, and
+    the client's send failed with a reset instead of reading the 413."""
+    import urllib.error
+    import urllib.request
+    body = b'{"prompt": "' + b"x" * (size - 14) + b'"}'
+    assert len(body) == size
+    data = iter([body[i:i + (1 << 20)] for i in range(0, size, 1 << 20)]) if chunked else body  # an iterable: chunked
+    request = urllib.request.Request(f"{server}/v1/completions", data=data,
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=60)
+    assert info.value.code == 413
+    error = json.loads(info.value.read())
+    assert set(error) == {"error"} and error["error"] == {
+        "message": "the request body is larger than max_request_body_bytes=4194304", "type": "invalid_request_error",
+        "param": None, "code": None}
+
+
 def test_a_bad_request_names_every_bad_field_at_once(server):
     body = {"prompt": 42, "temperature": "hot", "n": "two", "no_such_field": 1}
     error = openai_error(httpx.post(f"{server}/v1/completions", json=body, timeout=10), 400)
@@ -312,6 +342,30 @@ def test_a_bad_request_names_every_bad_field_at_once(server):
     for field in ("prompt", "temperature", "n", "no_such_field"):
         assert f"{field}" in error["message"]
     assert error["message"].count("; ") >= 3
+
+
+@pytest.mark.parametrize("path,body", [
+    ("completions", {"prompt": "hi", "temperature": "hot", "max_tokens": -3}),  # named temperature alone
+    ("completions", {"prompt": "hi", "top_p": 5, "n": 0, "stop": [""], "logprobs": -1, "min_tokens": -1,
+                     "stream": "yes"}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": "high", "top_k": -2,
+                          "allowed_token_ids": [], "top_logprobs": -1}),
+])
+def test_a_bad_request_names_its_type_and_range_errors_together(server, path, body):
+    """A type error (pydantic's) and a range error (SamplingParams', found after the body was read)
+    came one round trip apart: each bad field is now named once, and param names the first."""
+    error = openai_error(httpx.post(f"{server}/v1/{path}", json=body, timeout=10), 400)
+    named = [part.split()[0].removesuffix(":") for part in error["message"].split("; ")]
+    assert sorted(named) == sorted(set(body) - {"prompt", "messages"}) and error["param"] == named[0], error
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "\u0663"])  # superscript two; Arabic-Indic three, which int() takes
+def test_a_logit_bias_key_that_is_no_ascii_token_id_is_a_400_naming_logit_bias(server, key):
+    """str.isdigit takes both: "²" then failed int() with Python's own message and no param, and
+    "٣" was read as token 3."""
+    error = openai_error(httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "max_tokens": 2,
+                                                                       "logit_bias": {key: 5}}, timeout=10), 400)
+    assert error["param"] == "logit_bias" and error["message"] == f"logit_bias: keys must be token ids, got {key!r}"
 
 
 @pytest.mark.parametrize("path,body,param", [

@@ -97,6 +97,19 @@ def validated_calls(message) -> list[tuple[str, dict]]:
     return calls
 
 
+def test_a_grammar_that_fails_mid_answer_is_served_its_text_once_and_whole(client):
+    """A self-referencing property: after '{"a":' the library gives up ("abort"). Whole and streamed,
+    the text is what came before, sent once; with a stop string the characters held back in case
+    they began one are sent too."""
+    itself = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}
+    request = dict(model="tiny", prompt="Write:", max_tokens=16, extra_body={"structured_outputs": {"json": itself}})
+    for stop in (None, ["zzzzzz"]):
+        whole = client.completions.create(stop=stop, **request).choices[0]
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, stop=stop, **request) if c.choices]
+        assert (whole.text, whole.finish_reason) == ('{"a":', "abort")
+        assert "".join(c.text for c in chunks) == '{"a":' and chunks[-1].finish_reason == "abort"
+
+
 @pytest.mark.parametrize("path", ["chat/completions", "completions"])
 def test_response_format_json_schema_outputs_validate_with_n_samples(client, path):
     response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
@@ -331,6 +344,20 @@ def test_auto_renders_the_tools_and_parses_a_hermes_call_whole_and_streamed(clie
     chunks = list(client.chat.completions.create(stream=True, **request))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Let me check."
     assert streamed_calls(chunks)[:2] == ([(name, message.tool_calls[0].function.arguments)], "tool_calls")
+
+
+@pytest.mark.parametrize("call", ['{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}',
+                                  '{"arguments": "{\\"zone\\": \\"UTC\\"}", "name": "get_time"}'])
+def test_arguments_a_model_writes_as_a_json_string_reach_the_client_as_an_object(client, call):
+    """Whichever key the model writes first, whole and streamed: with the name first, the client's
+    json.loads of the arguments gave the string ``{"zone": "UTC"}``, not the object."""
+    request = dict(model="tiny", messages=ASK, tools=TOOLS, temperature=1.0, max_tokens=160, seed=9,
+                   extra_body={"guided_choice": [f"<tool_call>\n{call}\n</tool_call>"]})
+    whole = client.chat.completions.create(**request).choices[0]
+    assert whole.finish_reason == "tool_calls" and validated_calls(whole.message) == [("get_time", {"zone": "UTC"})]
+    calls, finish_reason, _ = streamed_calls(client.chat.completions.create(stream=True, **request))
+    assert [(name, json.loads(arguments)) for name, arguments in calls] == [("get_time", {"zone": "UTC"})]
+    assert finish_reason == "tool_calls"
 
 
 def test_a_call_a_stop_string_cut_in_auto_says_stop_and_a_forced_one_cut_has_no_content(client):

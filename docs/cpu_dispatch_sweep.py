@@ -15,9 +15,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nanoengine import cpu_kernels, int8_gemm, quantization
+from nanoengine import cpu_kernels, cpu_int8_gemm, quantization
 from nanoengine.cpu_library import load
-from nanoengine.int8_gemm import int8_linear, pack_weight
+from nanoengine.cpu_int8_gemm import int8_linear, pack_weight
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out): qkv, o, gate_up, down
 ROWS = [1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 24, 32, 64, 128, 512]
@@ -37,12 +37,12 @@ def main() -> None:
     weights = {}
     for in_features, out_features in SHAPES:
         w = torch.randn(out_features, in_features)
-        q, scales = int8_gemm.quantize_weight(w)
+        q, scales = cpu_int8_gemm.quantize_weight(w)
         weights[in_features, out_features] = dict(
             bf16=w.bfloat16(), packed=cpu_kernels.pack_linear_weight(w.bfloat16()) if has_bf16_kernel else None,
             int8=quantization.quantize_weight(w, "int8"), int4=quantization.quantize_weight(w, "int4"),
             gemm=(q, scales), amx=(pack_weight(q), scales))  # torch._int_mm's layout, AMX's tiles
-    amx = int8_gemm.uses_amx()
+    amx = cpu_int8_gemm.uses_amx()
     print("rows: bf16 oneDNN / kernel | int8 oneDNN GEMM / AMX GEMM / kernel | int4 kernel (us, a layer's four matmuls)")
     with torch.inference_mode():
         for rows in ROWS:

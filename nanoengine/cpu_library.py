@@ -1,4 +1,4 @@
-"""Building, caching and loading the CPU kernels' C++ files (cpu_*.cpp), and their C signatures.
+"""Building, caching and loading the CPU kernels' C++ files (csrc/cpu_*.cpp), and their C signatures.
 
 The kernels are small, so they are compiled with the system C++ compiler (attention for the
 model's head size) the first time a model needs them, in about 3.5 s, and cached under
@@ -34,7 +34,8 @@ from pathlib import Path
 
 import xxhash
 
-_HEADERS = sorted(Path(__file__).parent.glob("cpu_*.h"))  # every kernel file may include them
+CSRC = Path(__file__).parent / "csrc"  # the C++ sources, package data
+_HEADERS = sorted(CSRC.glob("cpu_*.h"))  # every kernel file may include them
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _LAYERS_SIGNATURES = {  # the same for the bfloat16 and float32 kernels
     "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I],
@@ -150,11 +151,11 @@ def cache_dir() -> Path:
 
 @functools.cache
 def load(source: str, head_dim: int | None = None) -> ctypes.CDLL | None:
-    """The compiled ``source`` (a .cpp file beside this one), for ``head_dim`` if it needs one, with
+    """The compiled ``source`` (a .cpp file in csrc/), for ``head_dim`` if it needs one, with
     its functions' argument types declared and each kernel (an entry point with a ``_words`` twin)
     wrapped in a ``Kernel``; None, after a warning, if it cannot be built."""
     try:
-        library = ctypes.CDLL(str(_build(Path(__file__).with_name(source), head_dim, cache_dir())))
+        library = ctypes.CDLL(str(_build(CSRC / source, head_dim, cache_dir())))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = e.stderr.decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else e
         warnings.warn(f"could not build the CPU kernels in {source} ({detail}); "

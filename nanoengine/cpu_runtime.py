@@ -15,7 +15,9 @@ import torch
 
 from nanoengine import cpu_kernels
 from nanoengine.cpu_library import cpu_features, load
-from nanoengine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from nanoengine.activation import SiluAndMul
+from nanoengine.layernorm import RMSNorm
+from nanoengine.rotary_embedding import RotaryEmbedding
 from nanoengine.linear import Linear
 
 

@@ -23,7 +23,6 @@ from contextlib import contextmanager
 from nanoengine.block_manager import BlockManager
 from nanoengine.config import Config
 from nanoengine.detokenizer import Detokenizer
-from nanoengine.draft_model import build_proposer
 from nanoengine.input_processor import InputProcessor
 from nanoengine.loader import (checkpoint_directory, load_eos_token_ids, load_hf_config, load_tokenizer,
                                resolve_model_path)
@@ -32,6 +31,8 @@ from nanoengine.pooler import PoolingParams
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.scheduler import Scheduler
 from nanoengine.sequence import Sequence
+from nanoengine.spec_decode import NgramProposer, Proposer
+from nanoengine.spec_draft_model import DraftModelProposer
 from nanoengine.structured_output import GrammarCompiler
 from nanoengine.worker import start_workers
 
@@ -83,7 +84,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, eos_token_ids, config.enable_chunked_prefill)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids)
-        self.proposer = build_proposer(config, hf_config, self.model_runner.num_kvcache_blocks)
+        spec = config.speculative_config  # the proposer it asks for, if any
+        self.proposer: Proposer | None = (None if spec is None else NgramProposer(spec) if spec.method == "ngram"
+                                          else DraftModelProposer(spec, config, hf_config, self.model_runner.num_kvcache_blocks))
         self.requests: dict[int, Sequence] = {}  # request id -> its first sequence
         # Cumulative; "<phase>_tokens" counts the tokens the model computed in that phase that were
         # kept (a rejected draft's position is taken back, so it is not), "decode_seqs" the sequences

@@ -6,8 +6,8 @@ AVX512-BF16, a C++ kernel over a packed copy of its weight (``use_cpu_kernel``);
 ``quantization``, a C++ kernel over int8 or int4 weights (``quantize``, quantization.py). Either
 replaces the plain weight, so each layer holds one copy of what it computes with; but for one
 case: the quantized kernel is made for one row of x, and where oneDNN's int8 GEMM is faster for a
-batch of rows on this CPU (cpu_dispatch.py), the layer also keeps an int8 copy in the layout
-that GEMM reads and computes batches from so many rows on through it (int8_gemm.py).
+batch of rows on this CPU, the layer also keeps an int8 copy in the layout that GEMM reads and
+computes batches from so many rows on through it (cpu_int8_gemm.py).
 
 Projections that read the same input are fused into one matmul (q/k/v into ``qkv_proj``,
 gate/up into ``gate_up_proj``): one large product instead of several small ones. Checkpoints
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoengine import cpu_dispatch, cpu_kernels, int8_gemm, quantization
+from nanoengine import cpu_int8_gemm, cpu_kernels, quantization
 from nanoengine.parallel import Shard, TensorParallelGroup
 
 
@@ -45,7 +45,7 @@ class Linear(nn.Linear):
 
     kernel: Callable | None = None
     quantized = False
-    gemm_min_rows: int | None = None  # from this many rows of x on, compute through int8_gemm.py
+    gemm_min_rows: int | None = None  # from this many rows of x on, compute through cpu_int8_gemm.py
 
     def use_cpu_kernel(self) -> None:
         """From now on compute with cpu_kernels.linear over ``packed_weight``, the weight laid out for
@@ -61,7 +61,7 @@ class Linear(nn.Linear):
         """From now on compute with cpu_kernels.quantized_linear over ``qweight`` and ``scales``, the
         weight in ``fmt`` ("int8" or "int4"; int4's scales are inside qweight). Like
         ``use_cpu_kernel``, the quantized copy replaces the weight as buffers; a tied lm_head gets its
-        own copy and the embedding keeps the original. Where int8_gemm.py computes batches, its
+        own copy and the embedding keeps the original. Where cpu_int8_gemm.py computes batches, its
         int8 copy is kept too (``gemm_weight``, ``gemm_scales``), made from the quantized weight a
         block of rows at a time, so that no float32 copy of the whole weight is ever made."""
         qweight, scales = quantization.quantize_weight(self.weight.detach(), fmt)
@@ -69,11 +69,11 @@ class Linear(nn.Linear):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self.quantized = True
-        self.gemm_min_rows = cpu_dispatch.gemm_min_rows(fmt) if int8_gemm.available() else None
+        self.gemm_min_rows = cpu_int8_gemm.gemm_min_rows(fmt) if cpu_int8_gemm.available() else None
         if self.gemm_min_rows is not None:
-            blocks = [int8_gemm.quantize_weight(quantization.dequantize_packed(q, s))
+            blocks = [cpu_int8_gemm.quantize_weight(quantization.dequantize_packed(q, s))
                       for q, s in quantization.packed_row_blocks(qweight, scales)]
-            self.register_buffer("gemm_weight", int8_gemm.pack_weight(torch.cat([q for q, _ in blocks])))
+            self.register_buffer("gemm_weight", cpu_int8_gemm.pack_weight(torch.cat([q for q, _ in blocks])))
             self.register_buffer("gemm_scales", torch.cat([s for _, s in blocks]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +81,7 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized and self.gemm_min_rows is not None and x.numel() >= self.gemm_min_rows * x.shape[-1]:
-            return int8_gemm.int8_linear(x, self.gemm_weight, self.gemm_scales, bias)
+            return cpu_int8_gemm.int8_linear(x, self.gemm_weight, self.gemm_scales, bias)
         if self.quantized:
             return cpu_kernels.quantized_linear(x, self.qweight, self.scales, bias, self.out_features)
         if self.kernel is None:

@@ -20,9 +20,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from transformers import PretrainedConfig
 
+from nanoengine.activation import GeluTanhAndMul, SiluAndMul
 from nanoengine.attention import Attention
 from nanoengine.context import Context
-from nanoengine.layers import GeluTanhAndMul, GemmaRMSNorm, RMSNorm, RotaryEmbedding, SiluAndMul
+from nanoengine.layernorm import GemmaRMSNorm, RMSNorm
+from nanoengine.rotary_embedding import RotaryEmbedding
 from nanoengine.linear import PackedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from nanoengine.model_families import FamilySpec, LayerSpec, family_spec
 from nanoengine.parallel import Shard, TensorParallelGroup

@@ -27,9 +27,9 @@ from nanoengine.loader import load_dummy_weights, load_weights
 from nanoengine.model import build_model
 from nanoengine.parallel import TensorParallelGroup
 from nanoengine.pooler import Pooler
-from nanoengine.rejection_sampler import RejectionSampler
-from nanoengine.sampler import LogitRows, Sampler, SamplerOutput, compute_logprobs
-from nanoengine.sampling_metadata import SamplingMetadata
+from nanoengine.spec_rejection_sampler import RejectionSampler
+from nanoengine.sampler import Sampler, SamplerOutput, compute_logprobs
+from nanoengine.sampling_metadata import LogitRows, SamplingMetadata
 from nanoengine.sequence import Sequence
 from nanoengine.triton_layers import use_triton_kernels
 

@@ -2,7 +2,7 @@
 answered) and its tools, on top of the fields every request shares (openai_protocol.py).
 
 A message becomes what the chat template reads through ``ChatMessage.for_template``; tools and
-``tool_choice`` are tool_calls.py's to act on.
+``tool_choice`` are openai_tool_calls.py's to act on.
 """
 
 import json
@@ -89,11 +89,11 @@ class FunctionDefinition(Schema):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule for a function's name
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of an object; none: the function takes no arguments
-    strict: bool | None = None  # a forced call's arguments follow the schema either way; see tool_calls.py
+    strict: bool | None = None  # a forced call's arguments follow the schema either way; see openai_tool_calls.py
 
     @model_validator(mode="after")
     def rendered_as_text(self):
-        """A function is written into the prompt as JSON (by the template, or tool_calls.py) and its
+        """A function is written into the prompt as JSON (by the template, or openai_tool_calls.py) and its
         arguments are what ``f(**arguments)`` takes: text, and an object."""
         try:
             json.dumps(self.model_dump(exclude_none=True), ensure_ascii=False).encode()
@@ -134,7 +134,7 @@ class ChatCompletionRequest(OpenAIRequest):
     add_generation_prompt: bool = True  # vLLM's: false leaves the assistant's header out
     continue_final_message: bool = False  # vLLM's: the last message left open, for the model to go on with
     echo: bool = False  # vLLM's: the last message's text in front of the reply, where the reply is in its role
-    # Tools (tool_calls.py): none, "auto", "required" or a named function; default "auto" with tools.
+    # Tools (openai_tool_calls.py): none, "auto", "required" or a named function; default "auto" with tools.
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call

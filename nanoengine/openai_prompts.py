@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import replace
 from itertools import islice
 
-from nanoengine.async_engine import AsyncLLMEngine, RequestOutput
+from nanoengine.serve_async_engine import AsyncLLMEngine, RequestOutput
 from nanoengine.openai_protocol import BadRequest
 
 Prompt = str | list[int]

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (BeforeValidator, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator,
                       model_validator)
 
-from nanoengine.limits import validation_message
+from nanoengine.serve_limits import validation_message
 from nanoengine.openai_chat_protocol import ChatCompletionRequest, FunctionDefinition
 from nanoengine.openai_protocol import BadRequest, Schema, as_sampling_params_take_it, no_op
 

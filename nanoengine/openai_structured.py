@@ -12,11 +12,11 @@ A grammar the library refuses is a 400 that names the field and quotes the libra
 
 import asyncio
 
-from nanoengine.async_engine import AsyncLLMEngine
+from nanoengine.serve_async_engine import AsyncLLMEngine
 from nanoengine.openai_protocol import BadRequest, OpenAIRequest
 from nanoengine.sampling_params import StructuredOutputsParams
 from nanoengine.structured_output import InvalidGrammar
-from nanoengine.tool_calls import ToolChoice, arguments_schema
+from nanoengine.openai_tool_calls import ToolChoice, arguments_schema
 
 
 def _requested(req: OpenAIRequest, tool_grammar: str | None) -> dict[str, tuple[dict, str]]:
@@ -45,7 +45,7 @@ def _requested(req: OpenAIRequest, tool_grammar: str | None) -> dict[str, tuple[
 async def structured_outputs(engine: AsyncLLMEngine, req: OpenAIRequest,
                              tools: ToolChoice | None = None) -> StructuredOutputsParams | None:
     """The request's constraint, its grammar compiled (in a worker thread); None if it has none.
-    With ``tools`` forcing a call (tool_calls.py), their grammar, each function's arguments schema
+    With ``tools`` forcing a call (openai_tool_calls.py), their grammar, each function's arguments schema
     first compiled alone: so that one no JSON value matches is a 400 that names it, rather than
     a call the grammar can begin and never end."""
     for function in (tool["function"] for tool in (tools.forced if tools is not None else [])):

@@ -1,4 +1,5 @@
-"""Sampling metadata: what the sampler needs to know about each row of a step's logits.
+"""Sampling metadata: where each row of a step's logits is (``LogitRows``) and what the sampler needs
+to know about it (``SamplingMetadata``).
 
 The model runner hands the sampler a row of logits per position it must decide: one per sample,
 or for a sample with speculative drafts one per draft and one after them. ``SamplingMetadata``
@@ -81,3 +82,59 @@ def _counts(counts: dict[int, int] | None, drafts: list[int]) -> dict[int, int] 
     for token_id in drafts:
         counts[token_id] = counts.get(token_id, 0) + 1
     return counts
+
+
+@dataclass
+class LogitRows:
+    """Where a step's rows are: in the logits the model returns, in the rows sampled from them, and
+    in the output, which has a row per sample and a None row per sequence that samples nothing.
+
+    The model returns, per sequence in order, a row for each prompt position that scores prompt
+    logprobs, then, if the step reaches its end (``seq.samples``), one for its next token and one
+    more per speculative draft it brought (the drafts' positions are after the newest token's). A
+    sequence's first sample draws all ``n`` of its request's samples from its one row. Worked
+    example: A is a prompt chunk with more to come, scoring prompt logprobs at its positions 0..3;
+    B is a prompt reaching its end, with ``n=2``; C decodes with 2 drafts. Then
+
+        logits rows:   0 1 2 3 (A's prompt logprobs)   4 (B)   5 6 7 (C)
+        prompt_logprobs = [range(0, 4), None, None]    sample_rows = [range(4, 5), range(5, 8)]
+        repeats = [2, 1]
+        sampled rows:  B's sample 0, B's sample 1, C    (rows 4, 4, 5 6 7)
+        output:        [None, 0, 1, 2]    (A samples nothing; B's two samples; C's)
+    """
+    prompt_logprobs: list[range | None]  # per sequence: its prompt-logprob rows of the logits
+    sample_rows: list[range]  # the logits rows of each sequence that samples
+    repeats: list[int]  # how many samples each of those draws from its rows
+    output: list[int | None]  # per output row: its sample, or None
+
+    @classmethod
+    def of(cls, prompt_logprob_rows: list[int | None], samples: list[int],
+           drafts: list[int] | None = None) -> "LogitRows":
+        """From each sequence's number of prompt-logprob rows (None: not asked), of samples it
+        draws this step (0: none; ``n`` at a request's first sample) and of drafts it verifies."""
+        rows, row, drawn = cls([], [], [], []), 0, 0
+        for num_prompt_rows, num_samples, num_drafts in zip(prompt_logprob_rows, samples, drafts or [0] * len(samples)):
+            rows.prompt_logprobs.append(None if num_prompt_rows is None else range(row, row + num_prompt_rows))
+            row += num_prompt_rows or 0
+            if not num_samples:
+                rows.output.append(None)
+                continue
+            rows.sample_rows.append(range(row, row + 1 + num_drafts))
+            rows.repeats.append(num_samples)
+            rows.output += range(drawn, drawn + num_samples)
+            row, drawn = row + 1 + num_drafts, drawn + num_samples
+        return rows
+
+    def sample_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The rows of logits each sample is drawn from, in order (a copy only where rows are skipped
+        or repeated)."""
+        index = [r for rows, n in zip(self.sample_rows, self.repeats) for _ in range(n) for r in rows]
+        if index == list(range(len(logits))):
+            return logits
+        return logits[torch.tensor(index, device=logits.device)]
+
+    def per_output(self, sampled: list) -> list:
+        """The samples' values as output rows (None where a sequence sampled nothing)."""
+        if self.output == list(range(len(sampled))):
+            return sampled
+        return [None if i is None else sampled[i] for i in self.output]

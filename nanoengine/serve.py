@@ -2,28 +2,28 @@
 
 FastAPI turns each request (its schema: openai_protocol.py, openai_chat_protocol.py) into token ids
 and ``SamplingParams``, hands them to the ``AsyncLLMEngine`` and turns what comes back (each
-sample's new tokens, their text and logprobs) into OpenAI's JSON (openai_serving.py): whole, or
+sample's new tokens, their text and logprobs) into OpenAI's JSON (serve_completions.py): whole, or
 streamed as server-sent events in OpenAI's chunk format, one choice per prompt (a completions
 request may send a batch, and echo each prompt: openai_prompts.py) and sample (``n``). Stop strings
 and stop token ids are the engine's, as offline. However a response ends (done, client gone), its
 request is aborted, so the KV blocks of a client that disconnects are freed at once. The event loop
 only moves bytes and text: prompts are tokenized and grammars compiled in worker threads, and the
 model runs on the engine's own thread. What a request's output must follow (``response_format``,
-vLLM's extras, a forced tool call) is openai_structured.py's to read; tools, tool_calls.py's; with
-tools, each chat choice's text is split into content and tool calls by tool_parser.py.
+vLLM's extras, a forced tool call) is openai_structured.py's to read; tools, openai_tool_calls.py's; with
+tools, each chat choice's text is split into content and tool calls by openai_tool_parser.py.
 
-Errors are OpenAI's JSON (limits.py): 400 for a bad request, 413 for a body over
+Errors are OpenAI's JSON (serve_limits.py): 400 for a bad request, 413 for a body over
 ``--max-request-body-bytes``, 500 when the step running a request failed (in a stream: an error
 event, then ``[DONE]``), 503 from every endpoint, ``/health`` included, once the engine cannot
-serve; every error response is logged in one line with its request id (request_log.py). What one
+serve; every error response is logged in one line with its request id (serve_request_log.py). What one
 request may ask for is bounded by the flags of the "request limits" group. ``/metrics`` serves
-Prometheus's text format (metrics.py), ``/tokenize`` and ``/detokenize`` the server's tokenizer
-(serving_tokenization.py); ``/v1/responses``, OpenAI's Responses API, is served by the chat endpoint
+Prometheus's text format (serve_metrics.py), ``/tokenize`` and ``/detokenize`` the server's tokenizer
+(serve_tokenization.py); ``/v1/responses``, OpenAI's Responses API, is served by the chat endpoint
 (serve_responses.py); ``/v1/embeddings``, a vector per input from a server started with ``--runner
 pooling``, serve_embeddings.py's; ``/ping`` (vLLM's) is ``/health``. Who may call it is serve_security.py's:
 browsers only from local pages unless ``--allowed-origins`` says otherwise (CORS), an API key with
 ``--api-key``, HTTPS with ``--ssl-certfile``, and a bound on the requests in flight with
-``--max-queued-requests``. The command line's flags are cli_args.py's.
+``--max-queued-requests``. The command line's flags are serve_cli_args.py's.
 """
 
 import asyncio
@@ -42,22 +42,22 @@ except ImportError as e:  # the server's dependencies are an extra: say which, r
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from nanoengine.async_engine import AsyncLLMEngine, EngineDeadError
-from nanoengine.cli_args import engine_options, make_parser
-from nanoengine.limits import MAX_REQUEST_BODY_BYTES, engine_error_response, error_response, install_error_handlers
+from nanoengine.serve_async_engine import AsyncLLMEngine, EngineDeadError
+from nanoengine.serve_cli_args import engine_options, make_parser
+from nanoengine.serve_limits import MAX_REQUEST_BODY_BYTES, engine_error_response, error_response, install_error_handlers
 from nanoengine.loader import DEFAULT_MODEL_FILE
-from nanoengine.metrics import ServerMetrics
+from nanoengine.serve_metrics import ServerMetrics
 from nanoengine.openai_chat_protocol import ChatCompletionRequest
 from nanoengine.openai_protocol import BadRequest, CompletionRequest
 from nanoengine.openai_prompts import Echo, prompt_batch, tokenize_batch
-from nanoengine.openai_serving import generate
+from nanoengine.serve_completions import generate
 from nanoengine.openai_structured import structured_outputs
-from nanoengine.request_log import RequestLog
+from nanoengine.serve_request_log import RequestLog
 from nanoengine.serve_embeddings import embeddings_router
 from nanoengine.serve_responses import ResponseStore, responses_router
 from nanoengine.serve_security import AccessOptions, install_access, tls_options, warn_if_exposed
-from nanoengine.serving_tokenization import tokenization_router
-from nanoengine.tool_calls import ToolChoice
+from nanoengine.serve_tokenization import tokenization_router
+from nanoengine.openai_tool_calls import ToolChoice
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str, max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,

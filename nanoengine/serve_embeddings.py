@@ -21,9 +21,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import WrapValidator, model_validator
 
-from nanoengine.async_engine import AsyncLLMEngine
+from nanoengine.serve_async_engine import AsyncLLMEngine
 from nanoengine.openai_protocol import BadRequest, Schema, one_of_the_prompt_forms
-from nanoengine.openai_serving import unless_disconnected
+from nanoengine.serve_completions import unless_disconnected
 from nanoengine.pooler import PoolingParams
 
 MAX_INPUTS = 2048  # OpenAI's bound on one request's inputs: each becomes a request of its own

@@ -23,11 +23,11 @@ from typing import AsyncIterator, Awaitable, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from nanoengine.limits import error_response
+from nanoengine.serve_limits import error_response
 from nanoengine.openai_chat_protocol import ChatCompletionRequest
 from nanoengine.openai_protocol import BadRequest
 from nanoengine.openai_responses import FunctionChoice, ResponsesRequest, chat_request, in_responses_terms
-from nanoengine.openai_serving import EventStream
+from nanoengine.serve_completions import EventStream
 
 # An agent's conversation is one response per turn, each record holding the whole conversation,
 # which max_model_len bounds (4,096 tokens: some 20-40 KB of JSON with its output). 1,024 records

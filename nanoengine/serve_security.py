@@ -1,5 +1,5 @@
 """Who may use the server, from which web pages, over what, and how many requests at once: what it
-takes to run the server for others (serve.py installs it; the flags are cli_args.py's "access" group).
+takes to run the server for others (serve.py installs it; the flags are serve_cli_args.py's "access" group).
 
 The default is the one-person case: bound to 127.0.0.1, no key, answering browsers only on local
 pages. Each step past it is one option:
@@ -22,7 +22,7 @@ pages. Each step past it is one option:
 The three run in this order (Starlette runs the middleware added last first): CORS (a preflight is
 answered before any key is asked for, and a 401 carries CORS headers so that an allowed page can
 read it), then the key, then the bound (a client without the key takes no seat); all of them
-inside request_log.py's, which logs their refusals, and before anything reads the body.
+inside serve_request_log.py's, which logs their refusals, and before anything reads the body.
 """
 
 import argparse
@@ -40,7 +40,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from prometheus_client import Counter
 
-from nanoengine.limits import error_response
+from nanoengine.serve_limits import error_response
 from nanoengine.openai_protocol import error_body
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class APIKeyAuth:
 
 def invalid_api_key(message: str) -> JSONResponse:
     """OpenAI's own 401 (``type`` ``invalid_request_error``, ``code`` ``invalid_api_key``); the message
-    never holds the key (request_log.py logs it)."""
+    never holds the key (serve_request_log.py logs it)."""
     body = error_body(message)
     body["error"]["code"] = "invalid_api_key"
     return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})

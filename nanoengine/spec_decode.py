@@ -4,14 +4,14 @@ A batch-1 decode step streams every weight of the model to compute one token; th
 mostly wait. A step that computes ``k + 1`` positions streams the same weights once, so if
 something cheap can *propose* the next ``k`` tokens, the target model scores them all in one step
 (a prefill-shaped step: the newest token and the drafts after it) and keeps the ones it would have
-produced itself (rejection_sampler.py). Every accepted draft is a token for free; a rejected one
+produced itself (spec_rejection_sampler.py). Every accepted draft is a token for free; a rejected one
 costs only its share of that step's compute.
 
 This module is the configuration and the proposer interface, with the cheapest proposer:
 n-gram prompt lookup, which needs no second model. Text that repeats, edits or quotes its prompt
 (code edits, summaries with citations, "say it again, but...") is full of runs the model will
 copy, and the end of the sequence so far says where it is in such a run. The draft-model proposer
-(draft_model.py) runs a small model of the same tokenizer instead.
+(spec_draft_model.py) runs a small model of the same tokenizer instead.
 
 Where the drafts go (vLLM V1's flow): after each step the engine asks the proposer for the
 running sequences' drafts (``seq.spec_token_ids``); the scheduler gives each sequence that many

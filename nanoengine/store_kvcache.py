@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoengine.triton_attention import jit, tl, triton
+from nanoengine.triton_jit import jit, tl, triton
 
 
 def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -38,29 +38,11 @@ import functools
 import torch
 
 from nanoengine.torch_attention import window_left
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # a CPU-only install runs without Triton; config.py says so if it is asked for
-    triton = tl = None
+from nanoengine.triton_jit import jit, tl, triton
 
 LOG2E = 1.4426950408889634  # the kernels use exp2: exp(x) = exp2(x * log2(e))
 # A decode stretch shorter than this costs more to merge than it gains in parallel programs.
 MIN_KEYS_PER_SPLIT = 128
-
-
-@functools.cache
-def _jit(kernel, interpret: bool):
-    return triton.jit(kernel)
-
-
-def jit(kernel):
-    """``triton.jit(kernel)``, made at first use: ``triton.jit`` decides when it is called whether to
-    compile or to interpret (``TRITON_INTERPRET``), so a test can still choose after import."""
-    if triton is None:
-        raise ImportError("the Triton kernels need triton: pip install triton")
-    return _jit(kernel, triton.knobs.runtime.interpret)
 
 
 def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, block_table_ptr,

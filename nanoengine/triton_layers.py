@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from nanoengine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-from nanoengine.triton_attention import jit, tl, triton
+from nanoengine.activation import SiluAndMul
+from nanoengine.layernorm import RMSNorm
+from nanoengine.rotary_embedding import RotaryEmbedding
+from nanoengine.triton_jit import jit, tl, triton
 
 
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_t, stride_h, num_heads, hidden, eps,

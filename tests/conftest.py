@@ -56,7 +56,7 @@ def cuda_when_marked(request, monkeypatch, real_cuda_is_available):
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def triton_device(request, monkeypatch) -> str:
     """Where a Triton kernel runs: interpreted on the CPU, or compiled on a GPU. TRITON_INTERPRET is
-    set per test, and kernels are made at first use for the mode in force (``triton_attention.jit``),
+    set per test, and kernels are made at first use for the mode in force (``triton_jit.jit``),
     so both run in one session on a GPU machine."""
     pytest.importorskip("triton")
     if request.param == "cpu":

@@ -80,7 +80,7 @@ def test_chunked_prefill_serves_a_prompt_longer_than_the_step_budget(tiny_models
 
 def test_chunked_prefill_defaults_to_a_small_step_budget_on_cpu_and_is_the_servers_default():
     from nanoengine.config import Config
-    from nanoengine.cli_args import engine_options, make_parser
+    from nanoengine.serve_cli_args import engine_options, make_parser
     chunked, first = Config(enable_chunked_prefill=True, device="cpu"), Config(device="cpu")
     for config in (chunked, first):
         config.resolve_limits(2048)

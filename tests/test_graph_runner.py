@@ -13,12 +13,12 @@ transformers, and the KV cache sizing is checked against gpu_memory_utilization.
 import pytest
 import torch
 
-from nanoengine import cpu_dispatch, cpu_kernels
+from nanoengine import cpu_int8_gemm, cpu_kernels
 from nanoengine.cpu_graph import CPUGraph, GraphCaptureError, ReplayError
 from nanoengine.cpu_library import KernelCall
 from nanoengine.engine import LLMEngine
 from nanoengine.graph_runner import CPU_GRAPH_MAX_BATCH, DecodeGraphRunner, decode_buckets
-from nanoengine.layers import RMSNorm
+from nanoengine.layernorm import RMSNorm
 from nanoengine.llm import LLM
 from nanoengine.sampling_params import SamplingParams
 from tests.conftest import OracleProposer
@@ -76,10 +76,10 @@ def check_runner_matches_eager(engine: LLMEngine, seqs, graph_runner: DecodeGrap
 @pytest.mark.parametrize("arch,quantization", [("llama", None), ("llama", "int4"), ("qwen2", "int8"),
                                                ("qwen3", None)])
 def test_runner_matches_eager_decode_and_writes_only_real_rows(tiny_models, arch, quantization, monkeypatch):
-    # Quantized layers on the C++ kernel at every batch size: from cpu_dispatch.py's rows on they take
+    # Quantized layers on the C++ kernel at every batch size: from cpu_int8_gemm.py's rows on they take
     # the int8 GEMM, which rounds x differently, and a bucket's padded batch may cross that line where
     # the eager one does not (graphs through the GEMM: tests/test_int8_gemm.py).
-    monkeypatch.setattr(cpu_dispatch, "gemm_min_rows", lambda fmt: None)
+    monkeypatch.setattr(cpu_int8_gemm, "gemm_min_rows", lambda fmt: None)
     engine, seqs = decoding_engine(tiny_models[arch], max(BATCH_SIZES), dtype="float32", device="cpu",
                                    max_model_len=64, kvcache_block_size=4, quantization=quantization)
     runner = engine.model_runner

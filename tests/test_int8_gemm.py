@@ -1,28 +1,28 @@
-"""int8_gemm.py against a dequantize-then-matmul reference, and cpu_dispatch.py's rule choosing
+"""cpu_int8_gemm.py against a dequantize-then-matmul reference, and cpu_int8_gemm.py's rule choosing
 between it and the C++ kernel."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoengine import LLM, SamplingParams, cpu_dispatch, int8_gemm, quantization
+from nanoengine import LLM, SamplingParams, cpu_int8_gemm, quantization
 from nanoengine.cpu_library import cpu_features
 from nanoengine.graph_runner import CPU_GRAPH_MAX_BATCH, decode_buckets
-from nanoengine.int8_gemm import int8_linear
+from nanoengine.cpu_int8_gemm import int8_linear
 from nanoengine.linear import Linear
 
 # Where the rule never picks the GEMM (no VNNI), its products may saturate: nothing to test there.
-needs_gemm = pytest.mark.skipif(not int8_gemm.available() or cpu_dispatch.cpu_kind(cpu_features()) == "no_vnni",
+needs_gemm = pytest.mark.skipif(not cpu_int8_gemm.available() or cpu_int8_gemm.cpu_kind(cpu_features()) == "no_vnni",
                                 reason="needs a C++ compiler and a CPU with VNNI")
-needs_amx = pytest.mark.skipif(not int8_gemm.uses_amx(), reason="needs a CPU with AMX")
+needs_amx = pytest.mark.skipif(not cpu_int8_gemm.uses_amx(), reason="needs a CPU with AMX")
 # The two GEMMs, by the weight's layout: torch._int_mm's [out, in], and cpu_int8_gemm.cpp's AMX tiles.
-LAYOUTS = [pytest.param(lambda q: q, id="onednn"), pytest.param(int8_gemm.pack_weight, id="amx", marks=needs_amx)]
+LAYOUTS = [pytest.param(lambda q: q, id="onednn"), pytest.param(cpu_int8_gemm.pack_weight, id="amx", marks=needs_amx)]
 
 
 def int8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """int8_linear's arithmetic in float64 torch: each row of x rotated by the Hadamard matrices,
     rounded to int8 at its own scale (its largest magnitude at 127), times the int8 weight."""
-    x = int8_gemm.rotate(x.reshape(-1, x.shape[-1]))
+    x = cpu_int8_gemm.rotate(x.reshape(-1, x.shape[-1]))
     step = x.abs().amax(1, keepdim=True) / 127
     rounded = torch.round(x / torch.where(step > 0, step, 1)) * step
     w = q.double() * scales.double()[:, None]
@@ -32,15 +32,15 @@ def int8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias:
 def test_the_rotation_is_a_hadamard_matrix_per_block():
     """rotate multiplies each block of B values by H (H @ H.T = B * I): twice is B times the
     identity, a unit vector becomes a row of +-1, and a block never mixes with the next."""
-    blocks = [int8_gemm.hadamard_block(k) for k in (7, 8, 48, 96, 576, 1536, 3072, 4096)]
+    blocks = [cpu_int8_gemm.hadamard_block(k) for k in (7, 8, 48, 96, 576, 1536, 3072, 4096)]
     assert blocks == [1, 1, 16, 32, 64, 512, 512, 512]
     x = torch.randn(3, 1536, dtype=torch.float64)
-    assert torch.allclose(int8_gemm.rotate(int8_gemm.rotate(x)), 512 * x)
+    assert torch.allclose(cpu_int8_gemm.rotate(cpu_int8_gemm.rotate(x)), 512 * x)
     e = torch.zeros(576, dtype=torch.float64)
     e[70] = 1  # in the second block of 64
-    rotated = int8_gemm.rotate(e)
+    rotated = cpu_int8_gemm.rotate(e)
     assert (rotated[64:128].abs() == 1).all() and (rotated[:64] == 0).all() and (rotated[128:] == 0).all()
-    assert torch.equal(int8_gemm.rotate(x[:, :8]), x[:, :8])  # below 16 values a block, no rotation
+    assert torch.equal(cpu_int8_gemm.rotate(x[:, :8]), x[:, :8])  # below 16 values a block, no rotation
 
 
 @needs_gemm
@@ -54,7 +54,7 @@ def test_int8_linear_matches_its_arithmetic_in_torch(layout, dtype, shape, rows,
     out_features, in_features = shape
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=gen) * torch.logspace(-2, 0, out_features)[:, None]
-    q, scales = int8_gemm.quantize_weight(w)
+    q, scales = cpu_int8_gemm.quantize_weight(w)
     bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
     x = torch.randn(2, rows, 2 * in_features, generator=gen)[..., ::2]  # strided, batched
     x[..., 3] *= 50  # an outlier feature
@@ -69,7 +69,7 @@ def test_int8_linear_matches_its_arithmetic_in_torch(layout, dtype, shape, rows,
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     error = (out.double() - expected).abs()
     assert (error <= tol * expected.abs().max()).double().mean() >= 0.99
-    step = int8_gemm.rotate(x.double()).abs().amax() / 127
+    step = cpu_int8_gemm.rotate(x.double()).abs().amax() / 127
     assert error.max() <= tol * expected.abs().max() + 2 * step * q.double().abs().max() * scales.max()
 
 
@@ -84,7 +84,7 @@ def test_the_rotation_is_what_makes_int8_rows_precise(in_features):
     x = torch.randn(64, in_features, generator=gen, dtype=torch.float64)
     x[:, 3] *= 50
     exact = F.linear(x, w.double())
-    q, scales = int8_gemm.quantize_weight(w)
+    q, scales = cpu_int8_gemm.quantize_weight(w)
     rotated = int8_reference(x, q, scales, None)
     q_plain, scales_plain = quantization.quantize_int8(w)
     step = x.abs().amax(1, keepdim=True) / 127
@@ -138,7 +138,7 @@ def test_amx_gives_onednns_bits(dtype, shape, rows):
     x = torch.randn(rows, in_features, generator=gen)
     x[3], x[4] = 5.0, -5.0  # constant rows: rotated, each block's first value is its sum, the rest 0: +-127 and 0
     x = x.to(dtype)
-    assert torch.equal(int8_linear(x, int8_gemm.pack_weight(q), scales, bias), int8_linear(x, q, scales, bias))
+    assert torch.equal(int8_linear(x, cpu_int8_gemm.pack_weight(q), scales, bias), int8_linear(x, q, scales, bias))
 
 
 def test_int8_linear_refuses_what_it_cannot_compute():
@@ -157,14 +157,14 @@ AMX = "fpu avx2 avx512f avx512_vnni avx512_bf16 amx_bf16 amx_int8 amx_tile"
 
 
 def test_the_rule_reads_the_cpu_kind():
-    assert cpu_dispatch.cpu_kind(AMX) == "amx"
-    assert cpu_dispatch.cpu_kind("fpu avx2 avx512f avx512_vnni avx512_bf16") == "avx512_vnni"
-    assert cpu_dispatch.cpu_kind("fpu avx2 avx_vnni") == "avx_vnni"
-    assert cpu_dispatch.cpu_kind("fpu avx2 fma") == "no_vnni"
-    assert cpu_dispatch.gemm_min_rows("int8", "fpu avx2 fma") is None  # its products would saturate
-    assert cpu_dispatch.gemm_min_rows("int8", AMX) == cpu_dispatch.GEMM_MIN_ROWS["amx"]["int8"]
-    assert cpu_dispatch.gemm_min_rows("int4", "fpu avx2 fma") is None  # the C++ kernel at every batch
-    for kind in cpu_dispatch.GEMM_MIN_ROWS.values():
+    assert cpu_int8_gemm.cpu_kind(AMX) == "amx"
+    assert cpu_int8_gemm.cpu_kind("fpu avx2 avx512f avx512_vnni avx512_bf16") == "avx512_vnni"
+    assert cpu_int8_gemm.cpu_kind("fpu avx2 avx_vnni") == "avx_vnni"
+    assert cpu_int8_gemm.cpu_kind("fpu avx2 fma") == "no_vnni"
+    assert cpu_int8_gemm.gemm_min_rows("int8", "fpu avx2 fma") is None  # its products would saturate
+    assert cpu_int8_gemm.gemm_min_rows("int8", AMX) == cpu_int8_gemm.GEMM_MIN_ROWS["amx"]["int8"]
+    assert cpu_int8_gemm.gemm_min_rows("int4", "fpu avx2 fma") is None  # the C++ kernel at every batch
+    for kind in cpu_int8_gemm.GEMM_MIN_ROWS.values():
         assert set(kind) == {"int8", "int4"}
         assert all(rows is None or rows > 1 for rows in kind.values())  # batch 1 is always the kernel's
 
@@ -173,7 +173,7 @@ def test_the_rules_rows_never_split_a_graph_bucket():
     """A CPU graph's step is padded to its bucket: it must take the path its real rows take, decode
     steps and verify steps (q tokens a sequence) alike, or a replay's tokens would differ from eager's."""
     buckets = decode_buckets(max_num_seqs=256)
-    for kind in cpu_dispatch.GEMM_MIN_ROWS.values():
+    for kind in cpu_int8_gemm.GEMM_MIN_ROWS.values():
         for rows in filter(None, kind.values()):
             for n in range(1, CPU_GRAPH_MAX_BATCH + 1):
                 padded = next(b for b in buckets if b >= n)
@@ -184,30 +184,30 @@ def test_the_rules_rows_never_split_a_graph_bucket():
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @torch.inference_mode()
 def test_a_quantized_layer_switches_to_the_gemm_from_the_rules_rows(fmt, monkeypatch):
-    monkeypatch.setattr(cpu_dispatch, "gemm_min_rows", lambda fmt: 4)
+    monkeypatch.setattr(cpu_int8_gemm, "gemm_min_rows", lambda fmt: 4)
     layer = Linear(64, 16, bias=True)
     layer.quantize(fmt)
     calls = []
-    monkeypatch.setattr(int8_gemm, "int8_linear", lambda *args: calls.append(args[0].shape) or args[0][..., :16])
+    monkeypatch.setattr(cpu_int8_gemm, "int8_linear", lambda *args: calls.append(args[0].shape) or args[0][..., :16])
     layer(torch.randn(3, 64))
     layer(torch.randn(2, 2, 64))
     assert calls == [(2, 2, 64)]
     # the GEMM's copy is the kernel's values (int4's or int8's) rotated by H / B and rounded again
     # to int8: rotated back, each value within B = 64 half-steps of the kernel's (a sum of B roundings)
     values = quantization.dequantize_packed(layer.qweight, layer.scales)
-    gemm_q, gemm_scales = int8_gemm.quantize_weight(values)
-    assert torch.equal(layer.gemm_weight, int8_gemm.pack_weight(gemm_q)) and torch.equal(layer.gemm_scales, gemm_scales)
-    rotated_back = int8_gemm.rotate(quantization.dequantize_int8(gemm_q, gemm_scales))
+    gemm_q, gemm_scales = cpu_int8_gemm.quantize_weight(values)
+    assert torch.equal(layer.gemm_weight, cpu_int8_gemm.pack_weight(gemm_q)) and torch.equal(layer.gemm_scales, gemm_scales)
+    rotated_back = cpu_int8_gemm.rotate(quantization.dequantize_int8(gemm_q, gemm_scales))
     assert ((rotated_back - values.double()).abs() <= 64 * gemm_scales[:, None] / 2 + 1e-6).all()
 
 
 @needs_gemm
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_graph_replay_through_the_gemm_gives_the_eager_tokens(fmt, tiny_models, monkeypatch):
-    """Decode steps from one row on through int8_gemm.py, replayed by CPU graphs: the same greedy
+    """Decode steps from one row on through cpu_int8_gemm.py, replayed by CPU graphs: the same greedy
     tokens as run eagerly, so the GEMM and both passes around it replay on the step's new inputs.
     Three prompts: their steps are padded to a graph of 4 rows."""
-    monkeypatch.setattr(cpu_dispatch, "gemm_min_rows", lambda fmt: 1)
+    monkeypatch.setattr(cpu_int8_gemm, "gemm_min_rows", lambda fmt: 1)
     prompts = [[1, 5, 9, 2], [3, 3, 7], [4, 8, 15, 16, 23, 42]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     tokens = {}

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from nanoengine import cpu_kernels, cpu_library
-from nanoengine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from nanoengine.activation import SiluAndMul
+from nanoengine.layernorm import RMSNorm
+from nanoengine.rotary_embedding import RotaryEmbedding
 from nanoengine.linear import Linear
 
 ULP = {torch.bfloat16: 2 ** -7, torch.float32: 1e-5}  # bf16: one rounding step, relative

@@ -84,7 +84,7 @@ def check_holds_no_float_model(quantized: dict, bf16: dict) -> None:
     assert quantized["growth"] <= bound, (
         f"a quantized load grew {quantized['growth'] / MB:.0f} MB for {quantized['held'] / MB:.0f} MB of weights "
         f"(bound {bound / MB:.0f} MB; the bf16 load grew {bf16['growth'] / MB:.0f} MB)")
-    # Where int8_gemm.py's int8 copy sits beside the kernel's (CPUs with AMX or VNNI), an int8 model holds
+    # Where cpu_int8_gemm.py's int8 copy sits beside the kernel's (CPUs with AMX or VNNI), an int8 model holds
     # about what a bf16 one does, so it can be no smaller there; elsewhere it must be.
     if not quantized["gemm_copy"]:
         assert quantized["growth"] < bf16["growth"]

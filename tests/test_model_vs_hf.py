@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.layers import RotaryEmbedding
+from nanoengine.rotary_embedding import RotaryEmbedding
 from nanoengine.sequence import Sequence
 from tests.conftest import TINY_ARCHS, make_tiny_model
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from nanoengine import LLM, SamplingParams
 from nanoengine.config import Config
 from nanoengine.linear import Linear
-from nanoengine import cpu_dispatch, cpu_kernels, int8_gemm, quantization
+from nanoengine import cpu_int8_gemm, cpu_kernels, quantization
 from tests.test_int8_gemm import needs_gemm
 from nanoengine.quantization import (FORMATS, GROUP_SIZE, can_quantize, dequantize_int4, dequantize_int8,
                                      dequantize_packed, pack_int4, pack_int8, packed_row_blocks, quantize_int4,
@@ -86,7 +86,7 @@ def test_quantized_linear_matches_its_arithmetic_in_torch(dtype, fmt, shape, row
     layer.bias.data = torch.randn(out_features, generator=gen)
     w, bias = layer.weight.data.clone(), layer.bias.data.clone()
     layer.to(dtype).quantize(fmt)
-    layer.gemm_min_rows = None  # the C++ kernel at every batch size (int8_gemm.py: tests/test_int8_gemm.py)
+    layer.gemm_min_rows = None  # the C++ kernel at every batch size (cpu_int8_gemm.py: tests/test_int8_gemm.py)
     if strided:  # every other column of a wider tensor, in a [2, rows, in] batch
         x = torch.randn(2, rows, 2 * in_features, generator=gen)[..., ::2]
     else:
@@ -130,7 +130,7 @@ def test_packed_weight_reads_back_as_the_quantized_values(fmt):
 def test_quantizing_a_block_of_rows_at_a_time_gives_the_whole_weights_bits(fmt, monkeypatch):
     """quantize_weight quantizes about QUANTIZE_BLOCK weights at a time, so that its float32
     temporaries are a block's and not the weight's; every row is quantized alone, so the blocks (a
-    short last one too) give the bits of the weight quantized whole. So does int8_gemm.py's copy,
+    short last one too) give the bits of the weight quantized whole. So does cpu_int8_gemm.py's copy,
     which Linear.quantize makes from the quantized weight a block at a time."""
     monkeypatch.setattr(quantization, "QUANTIZE_BLOCK", 16 * 3 * GROUP_SIZE)  # blocks of 16 rows
     w = weight(40, 3 * GROUP_SIZE)
@@ -140,9 +140,9 @@ def test_quantizing_a_block_of_rows_at_a_time_gives_the_whole_weights_bits(fmt, 
         assert torch.equal(qweight, pack_int8(q)) and torch.equal(scales, whole_scales)
     else:
         assert scales is None and torch.equal(qweight, pack_int4(*quantize_int4(w)))
-    blocks = [int8_gemm.quantize_weight(dequantize_packed(q, s)) for q, s in packed_row_blocks(qweight, scales)]
+    blocks = [cpu_int8_gemm.quantize_weight(dequantize_packed(q, s)) for q, s in packed_row_blocks(qweight, scales)]
     assert [len(q) for q, _ in blocks] == [16, 16, 8]
-    gemm_q, gemm_scales = int8_gemm.quantize_weight(dequantize_packed(qweight, scales))
+    gemm_q, gemm_scales = cpu_int8_gemm.quantize_weight(dequantize_packed(qweight, scales))
     assert torch.equal(torch.cat([q for q, _ in blocks]), gemm_q)
     assert torch.equal(torch.cat([s for _, s in blocks]), gemm_scales)
 
@@ -154,7 +154,7 @@ def test_without_a_compiler_the_layer_dequantizes(fmt, monkeypatch):
     layer.weight.data = weight(8, 2 * GROUP_SIZE)
     w = layer.weight.data.clone()
     monkeypatch.setattr(cpu_kernels, "load", lambda *args: None)
-    monkeypatch.setattr(int8_gemm, "load", lambda *args: None)  # so no int8 GEMM either
+    monkeypatch.setattr(cpu_int8_gemm, "load", lambda *args: None)  # so no int8 GEMM either
     layer.quantize(fmt)
     assert layer.gemm_min_rows is None
     x = torch.randn(3, 2 * GROUP_SIZE)
@@ -172,8 +172,8 @@ def test_quantized_linear_refuses_a_weight_not_in_its_layout():
 
 @pytest.mark.parametrize("gemm_min_rows", [None, 16])
 def test_quantized_state_dict_holds_the_quantized_weight(gemm_min_rows, monkeypatch):
-    monkeypatch.setattr(cpu_dispatch, "gemm_min_rows", lambda fmt: gemm_min_rows)
-    gemm = {"gemm_weight", "gemm_scales"} if gemm_min_rows else set()  # int8_gemm.py's copy, where it computes
+    monkeypatch.setattr(cpu_int8_gemm, "gemm_min_rows", lambda fmt: gemm_min_rows)
+    gemm = {"gemm_weight", "gemm_scales"} if gemm_min_rows else set()  # cpu_int8_gemm.py's copy, where it computes
     layer = Linear(GROUP_SIZE, 16, bias=False)
     layer.quantize("int8")
     assert set(layer.state_dict()) == {"qweight", "scales"} | gemm and layer.weight is None
@@ -212,9 +212,9 @@ def unquantized_perplexity():
 @pytest.mark.parametrize("gemm_min_rows", [None, pytest.param(1, marks=needs_gemm)], ids=["cpp-kernel", "int8-gemm"])
 def test_default_model_perplexity_stays_close_to_unquantized(fmt, bound, gemm_min_rows, unquantized_perplexity,
                                                              monkeypatch):
-    """Through either path, whichever cpu_dispatch.py would pick for the 1,000-row prefill here."""
+    """Through either path, whichever cpu_int8_gemm.py would pick for the 1,000-row prefill here."""
     token_ids, expected, embedding = unquantized_perplexity
-    monkeypatch.setattr(cpu_dispatch, "gemm_min_rows", lambda fmt: gemm_min_rows)
+    monkeypatch.setattr(cpu_int8_gemm, "gemm_min_rows", lambda fmt: gemm_min_rows)
     llm = LLM(max_model_len=1024, quantization=fmt)
     model = llm.model_runner.model
     # The tied LM head has its own quantized copy; the embedding lookup still reads the original table.

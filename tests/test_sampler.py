@@ -4,7 +4,8 @@ the torch ops and through the CPU kernel (cpu_sampler.cpp)."""
 import pytest
 import torch
 
-from nanoengine.sampler import LogitRows, Sampler
+from nanoengine.sampler import Sampler
+from nanoengine.sampling_metadata import LogitRows
 from nanoengine.sampling_params import SamplingParams
 
 

@@ -489,7 +489,7 @@ def test_every_engine_flag_is_an_llm_keyword_and_unset_ones_keep_the_defaults_bu
     from dataclasses import fields
 
     from nanoengine.config import Config
-    from nanoengine.cli_args import ENGINE_OPTIONS, engine_options, make_parser
+    from nanoengine.serve_cli_args import ENGINE_OPTIONS, engine_options, make_parser
     keywords = {f.name for f in fields(Config) if f.init}
     assert {flag.removeprefix("--").replace("-", "_") for flag in ENGINE_OPTIONS} <= keywords
     parser = make_parser()
@@ -505,7 +505,7 @@ def test_every_engine_flag_is_an_llm_keyword_and_unset_ones_keep_the_defaults_bu
 
 def test_request_limits_are_flags_with_the_engines_defaults():
     from nanoengine.config import Config
-    from nanoengine.cli_args import engine_options, make_parser
+    from nanoengine.serve_cli_args import engine_options, make_parser
     parser = make_parser()
     assert parser.parse_args([]).max_request_body_bytes == 4 << 20
     args = parser.parse_args(["--max-logprobs", "5", "--max-stop-strings", "4", "--max-stop-string-length", "16",
@@ -547,7 +547,7 @@ def in_process_server(model_path: str, **options):
     """Yields the URL of a server on 127.0.0.1 and the ``LLMEngine`` behind it."""
     import uvicorn
 
-    from nanoengine.async_engine import AsyncLLMEngine
+    from nanoengine.serve_async_engine import AsyncLLMEngine
     from nanoengine.serve import create_app
     async_engine = AsyncLLMEngine(model_path, dtype="float32", device="cpu", **options)
     engine = async_engine.engine
@@ -572,7 +572,7 @@ def local_server(tiny_models):
 
 def test_async_engine_is_built_on_the_thread_that_steps_it(tiny_models, monkeypatch):
     """One thread does all the model's work, so the process holds one OpenMP pool, as offline."""
-    from nanoengine.async_engine import AsyncLLMEngine
+    from nanoengine.serve_async_engine import AsyncLLMEngine
     from nanoengine.engine import LLMEngine
     threads = {"built": set(), "stepped": set()}
     build, step = LLMEngine.__init__, LLMEngine.step
@@ -600,7 +600,7 @@ def test_async_engine_is_built_on_the_thread_that_steps_it(tiny_models, monkeypa
 
 
 def test_async_engine_with_a_bad_option_raises_value_error_in_the_caller(tiny_models):
-    from nanoengine.async_engine import AsyncLLMEngine
+    from nanoengine.serve_async_engine import AsyncLLMEngine
     with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
         AsyncLLMEngine(tiny_models["llama"], dtype="float32", device="cpu", max_num_seqs=0)
 

@@ -211,7 +211,7 @@ def test_a_bad_prompt_shape_is_a_400_naming_prompt_and_queues_nothing(served, pr
 
 
 def test_async_engine_queues_a_batch_all_or_none(tiny_models):
-    from nanoengine.async_engine import AsyncLLMEngine
+    from nanoengine.serve_async_engine import AsyncLLMEngine
     engine = AsyncLLMEngine(tiny_models["llama"], dtype="float32", device="cpu")
     try:
         with pytest.raises(ValueError, match="vocabulary"):
@@ -268,13 +268,13 @@ def test_tokenize_and_detokenize_split_text_as_the_server_does(served, tokenizer
 
 def test_every_error_response_is_one_log_line_with_its_request_id(served, caplog):
     http, _ = served
-    with caplog.at_level(logging.WARNING, logger="nanoengine.request_log"):
+    with caplog.at_level(logging.WARNING, logger="nanoengine.serve_request_log"):
         response = http.post("/v1/completions", json={"prompt": [[1], "x"]}, headers={"X-Request-Id": "eval-42"})
         good = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         missing = http.get("/v1/nothing-here")
     assert response.status_code == 400 and response.headers["x-request-id"] == "eval-42"
     assert good.status_code == 200 and len(good.headers["x-request-id"]) == 32  # one of the server's own
-    lines = [r.getMessage() for r in caplog.records if r.name == "nanoengine.request_log"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "nanoengine.serve_request_log"]
     assert len(lines) == 2, lines
     assert lines[0].startswith("eval-42 POST /v1/completions 400 param=prompt: prompt: must be a string")
     assert lines[1].startswith(f"{missing.headers['x-request-id']} GET /v1/nothing-here 404 param=None: Not Found")

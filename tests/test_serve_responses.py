@@ -272,7 +272,7 @@ def test_the_store_evicts_the_oldest_past_its_count_or_its_bytes():
 
 
 def test_the_stores_bounds_are_flags_with_their_defaults():
-    from nanoengine.cli_args import make_parser
+    from nanoengine.serve_cli_args import make_parser
     parser = make_parser()
     defaults = parser.parse_args([])
     assert (defaults.max_stored_responses, defaults.max_stored_responses_bytes) == (1024, 64 << 20)

@@ -29,7 +29,7 @@ prometheus_parser = pytest.importorskip("prometheus_client.parser")
 pytest.importorskip("aiohttp")  # the subprocess server is started through bench_serving.py, an aiohttp client
 pytest.importorskip("cryptography")  # the self-signed certificate
 
-from nanoengine.cli_args import make_parser  # noqa: E402
+from nanoengine.serve_cli_args import make_parser  # noqa: E402
 from nanoengine.serve_security import AccessOptions, warn_if_exposed  # noqa: E402
 from tests.test_serve import subprocess_server  # noqa: E402
 

@@ -23,7 +23,7 @@ from nanoengine import LLM  # noqa: E402
 from nanoengine.openai_chat_protocol import ChatCompletionRequest  # noqa: E402
 from nanoengine.openai_protocol import BadRequest  # noqa: E402
 from nanoengine.sampling_params import StructuredOutputsParams  # noqa: E402
-from nanoengine.tool_calls import ToolChoice  # noqa: E402
+from nanoengine.openai_tool_calls import ToolChoice  # noqa: E402
 from tests.conftest import with_chat_template  # noqa: E402
 from tests.test_serve import in_process_server  # noqa: E402
 from tests.test_structured_output import ARITHMETIC, CHOICES, PERSON, PHONE, check  # noqa: E402

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.rejection_sampler import RejectionSampler
+from nanoengine.spec_rejection_sampler import RejectionSampler
 from nanoengine.sampler import Sampler
 from nanoengine.spec_decode import NgramProposer, SpeculativeConfig
 from tests.conftest import TINY_ARCHS, OracleProposer, make_copying_model, make_tiny_model

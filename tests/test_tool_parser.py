@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from nanoengine.tool_parser import ToolCallParser
+from nanoengine.openai_tool_parser import ToolCallParser
 
 QWEN = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}", "days": [1, '
         '{"a": "]"}]}}\n</tool_call>\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>\n')

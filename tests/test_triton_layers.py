@@ -13,7 +13,9 @@ tightly as on the GPU. Sizes are small: the interpreter is slow.
 import pytest
 import torch
 
-from nanoengine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from nanoengine.activation import SiluAndMul
+from nanoengine.layernorm import RMSNorm
+from nanoengine.rotary_embedding import RotaryEmbedding
 
 ULP = {torch.bfloat16: 2 ** -7, torch.float32: 1e-5}  # bf16: one rounding step, relative
 

@@ -4,7 +4,7 @@ grammar that makes it call one.
 - ``"none"`` (the default without tools): the tools are not rendered and nothing is parsed, so the
   model cannot call one.
 - ``"auto"`` (the default with tools): the chat template renders the tools into the prompt, the
-  model writes freely, and the tool parser (tool_parser.py) finds the calls it made.
+  model writes freely, and the tool parser (openai_tool_parser.py) finds the calls it made.
 - ``"required"`` and a named function: ``tool_call_grammar`` makes the output one or more calls
   (one with a named function, or with ``parallel_tool_calls: false``), in the format the parser
   reads, each call's name one of the tools' and its arguments valid for that function's
@@ -23,11 +23,11 @@ openai_structured.py, which compiles it as any other constraint.
 import json
 from dataclasses import dataclass
 
-from nanoengine.async_engine import AsyncLLMEngine
+from nanoengine.serve_async_engine import AsyncLLMEngine
 from nanoengine.openai_chat_protocol import ChatCompletionRequest
 from nanoengine.openai_protocol import BadRequest
 from nanoengine.structured_output import closed_objects
-from nanoengine.tool_parser import END, START, ToolCallParser
+from nanoengine.openai_tool_parser import END, START, ToolCallParser
 
 
 def tool_call_grammar(tools: list[dict], parallel: bool) -> str:

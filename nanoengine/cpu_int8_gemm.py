@@ -1,14 +1,14 @@
 """int8 compute for batched steps: x rotated and rounded per row to int8, multiplied by an int8
 weight rotated the same way, the int32 products scaled back to x's dtype. The GEMM is
 cpu_int8_gemm.cpp's on AMX tiles where the CPU has them, and otherwise oneDNN's
-(``torch._int_mm``, on AVX-512 VNNI or AVX-VNNI; without VNNI its sums saturate, so cpu_dispatch.py
-never picks it there). oneDNN's, as torch calls it, does not use AMX, and AMX's tiles do 16,384
+(``torch._int_mm``, on AVX-512 VNNI or AVX-VNNI; without VNNI its sums saturate, so
+``GEMM_MIN_ROWS`` never picks it there). oneDNN's, as torch calls it, does not use AMX, and AMX's tiles do 16,384
 multiply-adds an instruction: there the kernel of our own is faster (docs/quantization.md).
 
 The C++ kernel (cpu_quantized_linear.cpp) is made for one row of x: it streams the weight once and
 is bound by memory. A batched step is bound by arithmetic instead, and there a GEMM, blocked for
 the caches and the CPU's widest instructions, does several times more per second
-(docs/quantization.md); cpu_dispatch.py says from how many rows it takes over.
+(docs/quantization.md); ``GEMM_MIN_ROWS`` says from how many rows it takes over.
 
 A GEMM takes one scale per row of x (it must be constant along the sum), and one int8 step per
 row is coarse: a row's step is set by its largest value, and LLM activations have a few channels
@@ -26,9 +26,41 @@ The weight's rotation is done once (``quantize_weight``); x's is log2(B) rounds 
 pass that rounds it. Perplexity: +0.3% in int8 on the test's text (docs/quantization.md). Each
 product is an exact integer and a row's scale is its own, so a row's result does not depend on the
 rows beside it or on how the GEMM blocks its sums (both GEMMs give the same bits): among the steps
-this path computes, a sequence is computed the same way whatever its batch (below cpu_dispatch.py's
+this path computes, a sequence is computed the same way whatever its batch (below ``GEMM_MIN_ROWS``'
 rows the kernel computes it, in 8 bits per 32 values). The passes around the GEMM are
 cpu_int8_gemm.cpp too.
+
+Which of the two computes a quantized linear layer, by the rows of x and what the CPU has:
+the C++ kernel (cpu_quantized_linear.cpp) or this GEMM (on AMX tiles, or oneDNN's).
+
+The two are made for different ends. The C++ kernel streams the weight once for all of x's rows
+and is bound by memory: at batch 1 it is the faster. The GEMM is blocked for the caches and uses
+the CPU's widest instructions (AMX's tiles, where there are some), so once there are enough rows
+for arithmetic to be what costs, it wins.
+
+``GEMM_MIN_ROWS`` is the fewest rows from which the GEMM is used, from the rows where it became
+faster, summed over a decoder layer's four matmuls of the default model (576 -> 960, 576 -> 576,
+576 -> 3072, 1536 -> 576), bf16 activations, both threads of a 2-core Sapphire Rapids
+(docs/quantization.md has the sweep and its command): with AMX, the GEMM on tiles is behind the
+int8 kernel at 1 row and ahead from 2; level with the int4 kernel at 3-4 rows and ahead from 5.
+The other kinds were that machine with oneDNN held below AMX and the C++ kernels built without it
+(``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, as on a Cooper Lake or a Zen 4; ``AVX2_VNNI``, as on an
+Alder Lake, with the C++ kernels compiled for Haswell), where oneDNN's GEMM caught up with the
+int8 kernel between 8 and 12 rows, and with the int4 kernel between 17 and 24 rows and between 24
+and 32: estimates until measured on such a machine. None: the GEMM does not win by enough, early
+enough, to pay for its copy of the weight.
+
+Each count is also one past a batch bucket of the CPU graphs (1, 2, 4, 8, 16: graph_runner.py),
+so a graph's step, padded to its bucket, takes the path its unpadded rows would (a verify step's
+rows too, its sequences times the tokens each brings): a replay gives the eager step's tokens.
+Past 9 rows that no longer holds for verify steps, so int4 on AVX-512 VNNI, whose crossover is
+higher, takes the GEMM from 9 rows: behind on steps of 9-16 rows, ahead on the larger ones that
+make batched throughput.
+
+Without VNNI the GEMM is not only slower but wrong: oneDNN then multiplies bytes with
+``vpmaddubsw``, whose pairs of products saturate at int16 (127 x 127 x 2 does not fit), so
+products of large int8 values come out clipped (here, with ``ONEDNN_MAX_CPU_ISA=AVX2``, 64 products
+of 127 x 127 summed to 8,160 instead of 1,032,256).
 """
 
 import functools
@@ -37,7 +69,7 @@ import torch
 
 from nanoengine import quantization
 from nanoengine.cpu_kernels import DTYPES
-from nanoengine.cpu_library import load
+from nanoengine.cpu_library import cpu_features, load
 
 # Rows whose int32 products are rescaled while they are still in cache: one GEMM per chunk.
 CHUNK_ROWS = 128
@@ -153,3 +185,31 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bia
         getattr(library, f"rescale_{dtype}")(products.data_ptr(), x_scales[start:].data_ptr(), scales.data_ptr(),
                                              bias_ptr, out[start:].data_ptr(), chunk, out_features, threads)
     return out.view(*x.shape[:-1], out_features)
+
+
+GEMM_MIN_ROWS = {  # CPU kind -> weight format -> rows
+    "amx": {"int8": 2, "int4": 5},
+    "avx512_vnni": {"int8": 9, "int4": 9},  # int4: behind at 9-16 rows (1.4-1.15x), 1.2-2.2x ahead from 32
+    "avx_vnni": {"int8": 9, "int4": None},  # int4: 1.6x behind at 9 rows, ahead only from 24-32
+    "no_vnni": {"int8": None, "int4": None},  # the GEMM's products would saturate
+}
+
+
+def cpu_kind(features: str) -> str:
+    """The row of ``GEMM_MIN_ROWS`` for a CPU with these /proc/cpuinfo flags."""
+    flags = set(features.split())
+    if "amx_int8" in flags:
+        return "amx"
+    return next((kind for kind in ("avx512_vnni", "avx_vnni") if kind in flags), "no_vnni")
+
+
+def gemm_min_rows(fmt: str, features: str | None = None) -> int | None:
+    """From how many rows of x a layer with ``fmt`` weights ("int8" or "int4") computes through the
+    int8 GEMM on this CPU (or on one with ``features``); None: never."""
+    return GEMM_MIN_ROWS[_this_cpu_kind() if features is None else cpu_kind(features)][fmt]
+
+
+@functools.cache
+def _this_cpu_kind() -> str:
+    """This CPU's kind, read once (every quantized layer asks)."""
+    return cpu_kind(cpu_features())

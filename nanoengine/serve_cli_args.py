@@ -7,7 +7,7 @@ on stored responses serve_responses.py's, and the server's own flags (host, port
 import argparse
 import json
 
-from nanoengine.limits import MAX_REQUEST_BODY_BYTES
+from nanoengine.serve_limits import MAX_REQUEST_BODY_BYTES
 from nanoengine.serve_responses import MAX_STORED_RESPONSES, MAX_STORED_RESPONSES_BYTES
 
 

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from nanoengine.async_engine import EngineDeadError, EngineError
+from nanoengine.serve_async_engine import EngineDeadError, EngineError
 from nanoengine.openai_chat_protocol import ChatCompletionRequest
 from nanoengine.openai_protocol import BadRequest, CompletionRequest, error_body
 

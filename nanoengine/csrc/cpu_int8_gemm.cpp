@@ -1,4 +1,4 @@
-// The int8 GEMM path (int8_gemm.py): x rotated and rounded to int8 before the GEMM, the int32
+// The int8 GEMM path (cpu_int8_gemm.py): x rotated and rounded to int8 before the GEMM, the int32
 // products back into x's dtype after it, and, on CPUs with AMX, the GEMM itself.
 //
 // quantize_activations: per row of x, each block of `block` values (a power of two, 16 to 512; 1:

@@ -1,5 +1,4 @@
-"""The draft-model proposer: a small model of the same tokenizer guesses the target's next tokens
-(and ``build_proposer``, which picks the proposer a ``speculative_config`` asks for).
+"""The draft-model proposer: a small model of the same tokenizer guesses the target's next tokens.
 
 It is a second, smaller engine inside the first, reusing its pieces: a ``ModelRunner`` over the
 draft's weights with a paged KV cache of its own, and a ``BlockManager`` over that cache. Every
@@ -27,7 +26,7 @@ from nanoengine.loader import checkpoint_directory, load_hf_config, resolve_mode
 from nanoengine.model_runner import ModelRunner
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.sequence import Sequence, SequenceStatus
-from nanoengine.spec_decode import NgramProposer, Proposer, SpeculativeConfig
+from nanoengine.spec_decode import SpeculativeConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30)
 
@@ -100,12 +99,3 @@ class DraftModelProposer:
 
     def _free(self, seq_id: int) -> None:
         self.block_manager.deallocate(self.shadows.pop(seq_id)[1])
-
-
-def build_proposer(config: Config, target: PretrainedConfig, num_kvcache_blocks: int) -> Proposer | None:
-    """The proposer ``config.speculative_config`` asks for, or None."""
-    spec = config.speculative_config
-    if spec is None:
-        return None
-    return NgramProposer(spec) if spec.method == "ngram" else DraftModelProposer(spec, config, target,
-                                                                                 num_kvcache_blocks)

@@ -4,7 +4,7 @@
 ``AsyncLLMEngine`` and shapes what comes back (each sample's new tokens, their text and logprobs;
 several tokens at once from a step that accepted speculative drafts) into a whole response or a
 stream of server-sent events in OpenAI's chunk format, one choice per prompt and sample. With
-tools, each chat choice's text is split into content and tool calls (tool_parser.py). However a
+tools, each chat choice's text is split into content and tool calls (openai_tool_parser.py). However a
 response ends (done, the client gone, an error), its requests are aborted, so the KV blocks of a
 client that disconnects are freed at once. serve.py routes requests here.
 """
@@ -21,12 +21,12 @@ from typing import AsyncIterator, Awaitable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from nanoengine.async_engine import AsyncLLMEngine, EngineError, RequestStream
-from nanoengine.metrics import RequestClock
+from nanoengine.serve_async_engine import AsyncLLMEngine, EngineError, RequestStream
+from nanoengine.serve_metrics import RequestClock
 from nanoengine.openai_protocol import BadRequest, OpenAIRequest, error_body, sampling_params
 from nanoengine.openai_prompts import Echo, vllm_prompt_logprobs
 from nanoengine.sampling_params import StructuredOutputsParams
-from nanoengine.tool_calls import ToolChoice
+from nanoengine.openai_tool_calls import ToolChoice
 
 
 class EventStream(StreamingResponse):
@@ -85,7 +85,7 @@ async def generate(engine: AsyncLLMEngine, model_name: str, request: Request, re
     num_choices = len(prompt_ids) * req.n
     num_tokens = [0] * num_choices  # per choice
     scored = [None] * len(prompt_ids)  # per prompt, the engine's prompt_logprobs, if asked
-    # Per chat choice, with tools: its text split into content and tool calls (tool_parser.py).
+    # Per chat choice, with tools: its text split into content and tool calls (openai_tool_parser.py).
     parsers = [tools.parser() if tools else None for _ in range(num_choices)]
 
     def usage() -> dict:

@@ -9,7 +9,7 @@ parsed here:
 
 ``"parameters"`` is read where ``"arguments"`` is missing (Llama 3's name for them). Other formats
 (Llama 3's bare JSON, Mistral's ``[TOOL_CALLS]``, pythonic lists) are not parsed: their text stays
-content. The grammar that forces a call (tool_calls.py) writes Hermes's form, so one parser serves
+content. The grammar that forces a call (openai_tool_calls.py) writes Hermes's form, so one parser serves
 ``"auto"``, ``"required"`` and a named function. serve.py feeds each choice's text through a
 ``ToolCallParser`` into OpenAI's ``tool_calls``.
 """

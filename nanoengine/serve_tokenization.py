@@ -20,10 +20,10 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from nanoengine.async_engine import AsyncLLMEngine
+from nanoengine.serve_async_engine import AsyncLLMEngine
 from nanoengine.openai_chat_protocol import ChatMessage, Tool
 from nanoengine.openai_protocol import BadRequest
-from nanoengine.tool_calls import ToolChoice
+from nanoengine.openai_tool_calls import ToolChoice
 
 
 class TokenizeRequest(BaseModel):

@@ -11,13 +11,16 @@ A block whose count drops to zero returns to the free pool with its hash and con
 later prompt with the same prefix revives it, until the pool hands it out for new content
 (least recently freed first), which is when its hash entry is dropped.
 
-The one rule that keeps the cache honest when a step fails: a block is registered only once a
-step that completes has written its K/V (``cache_full_blocks``, after every step), with one
-exception. The full blocks of an admitted prompt's first step are registered at allocation, so
-that a later sequence of the *same* step can already share them (within each layer every token's
-K/V is stored before anyone attends); that registration is a promise until the step completes. A
-promised block that is freed first, because its step raised or was interrupted and the engine
-aborted the step's sequences, loses its hash. So no later prompt can read K/V that were never
+A block's states, one word each (the walkthrough's glossary): *free* (in the free pool, no
+sequence holds it), *in use* (held: ``ref_count`` > 0), and, independently, *cached* (its hash is in
+``hash_to_block_id``, so a prompt with its prefix can be served it; a free block stays cached until
+it is reused). The one rule that keeps the cache honest when a step fails: a block is cached only
+once a step that completes has written its K/V (``cache_full_blocks``, after every step), with one
+exception. The full blocks of an admitted prompt's first step are cached at allocation, so that a
+later sequence of the *same* step can already share them (within each layer every token's K/V is
+stored before anyone attends); until the step completes they are *pending*. A pending block that
+is freed first, because its step raised or was interrupted and the engine aborted the step's
+sequences, loses its hash. So no later prompt can read K/V that were never
 written, or written for some layers and not others.
 
 Forked sequences (the ``n`` samples of one prompt) share every block of the prompt by reference
@@ -49,7 +52,7 @@ class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash = -1  # -1: not a full, registered block
+        self.hash = -1  # -1: not cached
         self.token_ids: list[int] = []  # kept to confirm a hash hit against a collision
 
 
@@ -62,8 +65,8 @@ class BlockManager:
         # Free blocks in the order they were freed: the front is reused first, so the blocks
         # freed longest ago lose their cached contents first (LRU eviction).
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        # Registered by ``allocate`` in this step, K/V not yet written: the promises.
-        self.promised_block_ids: set[int] = set()
+        # Cached by ``allocate`` in this step, K/V not yet written: pending.
+        self.pending_block_ids: set[int] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -94,7 +97,9 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def num_cached_tokens(self, seq: Sequence) -> int:
+    def num_hit_tokens(self, seq: Sequence) -> int:
+        """How many of ``seq``'s tokens the prefix cache would serve if it were admitted now (once it is,
+        ``seq.num_cached_tokens`` holds the hit it got)."""
         return len(self._cached_prefix(seq)) * self.block_size
 
     def can_allocate(self, seq: Sequence) -> bool:
@@ -106,7 +111,7 @@ class BlockManager:
         """Give a waiting sequence its block table for all its tokens: cached blocks first, fresh
         ones after. Its first step computes ``num_new_tokens`` past the cached ones (all of them
         if None; fewer when chunked prefill splits the prompt); the full blocks that step writes
-        are registered right away, as promises (see the module docstring).
+        are cached right away, pending (see the module docstring).
         """
         assert not seq.block_table
         hits = self._cached_prefix(seq)
@@ -123,8 +128,8 @@ class BlockManager:
             block = self._take_free_block()
             seq.block_table.append(block.block_id)
             if self.enable_prefix_caching and (i + 1) * self.block_size <= first_step_end:
-                prefix_hash = self._register(block, seq.block(i), prefix_hash)
-                self.promised_block_ids.add(block.block_id)
+                prefix_hash = self._cache(block, seq.block(i), prefix_hash)
+                self.pending_block_ids.add(block.block_id)
 
     def deallocate(self, seq: Sequence) -> None:
         # Tail blocks first, so a prompt's later blocks are evicted before its shared start.
@@ -132,9 +137,9 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                if block_id in self.promised_block_ids:  # its step never wrote it
-                    self.promised_block_ids.remove(block_id)
-                    self._unregister(block)
+                if block_id in self.pending_block_ids:  # its step never wrote it
+                    self.pending_block_ids.remove(block_id)
+                    self._uncache(block)
                 self.free_block_ids[block_id] = None
         seq.block_table = []
         seq.num_cached_tokens = seq.num_computed_tokens = 0
@@ -176,7 +181,7 @@ class BlockManager:
 
     def free_lookahead_blocks(self, seq: Sequence) -> None:
         """After a speculative step: the blocks past the sequence's tokens held only rejected drafts.
-        They were never registered, so nothing in them is worth keeping: they go to the front of
+        They were never cached, so nothing in them is worth keeping: they go to the front of
         the free pool, the first handed out again."""
         while len(seq.block_table) > seq.num_blocks:
             block = self.blocks[seq.block_table.pop()]
@@ -189,28 +194,28 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """After a completed step: the K/V of the first ``seq.num_computed_tokens`` tokens are in
-        the cache. Promised blocks are kept, and every full block the step wrote that is not
-        registered yet (a decode's block, a later chunk's) is registered now."""
+        the cache. Pending blocks are kept, and every full block the step wrote that is not
+        cached yet (a decode's block, a later chunk's) is cached now."""
         if not self.enable_prefix_caching:
             return
-        if self.promised_block_ids:  # only after an admission step
-            self.promised_block_ids.difference_update(seq.block_table)
-        # Blocks are registered in order, so the unregistered full ones are the last few.
+        if self.pending_block_ids:  # only after an admission step
+            self.pending_block_ids.difference_update(seq.block_table)
+        # Blocks are cached in order, so the uncached full ones are the last few.
         first = last = seq.num_computed_tokens // self.block_size
         while first > 0 and self.blocks[seq.block_table[first - 1]].hash == -1:
             first -= 1
         for i in range(first, last):
             prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
-            self._register(self.blocks[seq.block_table[i]], seq.block(i), prev)
+            self._cache(self.blocks[seq.block_table[i]], seq.block(i), prev)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's ``reset_prefix_cache``, for benchmarks that must start
-        cold). Only while no block is in use: a running sequence's full blocks are registered too,
+        cold). Only while no block is in use: a running sequence's full blocks are cached too,
         and a later prompt may be sharing them. Returns whether it was done."""
         if self.num_used_blocks:
             return False
         for block in self.blocks:
-            self._unregister(block)
+            self._uncache(block)
         return True
 
     # -- internals ----------------------------------------------------------------------------
@@ -219,17 +224,17 @@ class BlockManager:
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0
-        self._unregister(block)  # its old contents are about to be overwritten
+        self._uncache(block)  # its old contents are about to be overwritten
         block.ref_count = 1
         return block
 
-    def _register(self, block: Block, token_ids: list[int], prefix_hash: int) -> int:
+    def _cache(self, block: Block, token_ids: list[int], prefix_hash: int) -> int:
         block.hash = compute_block_hash(token_ids, prefix_hash)
         block.token_ids = list(token_ids)
         self.hash_to_block_id[block.hash] = block.block_id
         return block.hash
 
-    def _unregister(self, block: Block) -> None:
+    def _uncache(self, block: Block) -> None:
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
             del self.hash_to_block_id[block.hash]
         block.hash, block.token_ids = -1, []

@@ -9,7 +9,7 @@ and tokenized before anything is queued (input_processor.py).
 
 A step that raises or is interrupted (an exception in the model, Ctrl-C in a notebook) ends the
 sequences it was running, frees their blocks and re-raises; every other request, and the prefix
-cache, are as if the step had never started (a block the failed step registered but never wrote
+cache, are as if the step had never started (a block the failed step cached but never wrote
 loses its hash when freed: see block_manager.py). Ctrl-C is held back while the bookkeeping
 itself runs (``interrupts_deferred``), so it can never land between two related updates; the
 model's forward stays interruptible.
@@ -22,7 +22,6 @@ from contextlib import contextmanager
 
 from nanoengine.block_manager import BlockManager
 from nanoengine.config import Config
-from nanoengine.detokenizer import Detokenizer
 from nanoengine.input_processor import InputProcessor
 from nanoengine.loader import (checkpoint_directory, load_eos_token_ids, load_hf_config, load_tokenizer,
                                resolve_model_path)
@@ -78,12 +77,13 @@ class LLMEngine:
                 self.workers.shutdown()
             raise
         config.fit_to_kvcache(self.model_runner.num_kvcache_blocks, self.model_runner.block_size)
-        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, config.max_model_len)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.model_runner.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, eos_token_ids, config.enable_chunked_prefill)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids)
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, config, eos_token_ids, self.grammars,
+                                              self.model_runner.pooler)
         spec = config.speculative_config  # the proposer it asks for, if any
         self.proposer: Proposer | None = (None if spec is None else NgramProposer(spec) if spec.method == "ngram"
                                           else DraftModelProposer(spec, config, hf_config, self.model_runner.num_kvcache_blocks))
@@ -109,94 +109,18 @@ class LLMEngine:
         return self.input_processor.chat_prompt(conversation, chat_template_kwargs, tools, **options)
 
     def check_sampling_params(self, sampling_params: SamplingParams) -> None:
-        """A ``ValueError`` for parameters this engine could never serve."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        if self.config.runner == "pooling":
-            raise ValueError("this engine's runner is 'pooling': it embeds prompts (LLM.embed, /v1/embeddings) and "
-                             "generates nothing; start one with runner='generate' (the default) to generate")
-        sampling_params.check()  # a field set after it was made (``sp.max_tokens = None``)
-        if sampling_params.n > self.config.max_num_seqs:  # a request's samples run side by side
-            raise ValueError(f"n={sampling_params.n} is more than max_num_seqs={self.config.max_num_seqs}")
-        if sampling_params.stop and self.tokenizer is None:  # stop strings are found in the text
-            raise ValueError("stop strings need text: the engine has no tokenizer (skip_tokenizer_init=True); "
-                             "use stop_token_ids")
-        if sampling_params.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words need the tokenizer: the engine has none (skip_tokenizer_init=True)")
-        for field in ("logit_bias", "stop_token_ids", "allowed_token_ids"):  # token ids the logits are indexed by
-            if bad := [t for t in getattr(sampling_params, field) or () if not 0 <= t < self.vocab_size]:
-                raise ValueError(f"{field} names token ids {bad[:5]} outside the model's vocabulary "
-                                 f"[0, {self.vocab_size})")
-        config = self.config
-        for field in ("logprobs", "prompt_logprobs"):
-            if (value := getattr(sampling_params, field)) is not None and value > config.max_logprobs:
-                raise ValueError(f"{field}={value} is more than max_logprobs={config.max_logprobs}")
-            if value is not None and value > self.vocab_size:  # whatever max_logprobs allows: topk would fail the step
-                raise ValueError(f"{field}={value} is more than the vocabulary's {self.vocab_size} tokens")
-        # bad_words are checked against every step's tokens as stop strings are against its text
-        for field in ("stop", "bad_words"):
-            strings = getattr(sampling_params, field)
-            if len(strings) > config.max_stop_strings:
-                raise ValueError(f"{field} has {len(strings)} strings, more than "
-                                 f"max_stop_strings={config.max_stop_strings}")
-            if (longest := max(map(len, strings), default=0)) > config.max_stop_string_length:
-                raise ValueError(f"{field} has a string of {longest} characters, more than "
-                                 f"max_stop_string_length={config.max_stop_string_length}")
-        # A row of -inf samples nonsense: refused where it is certain from the start (the few one-token
-        # bad words can ban all of a row's allowed tokens, never the whole vocabulary).
-        params, why = sampling_params, "each is a one-token bad word, or a stop token that min_tokens holds back"
-        banned = ((set(params.stop_token_ids) | (set() if params.ignore_eos else self.scheduler.eos_token_ids))
-                  if params.min_tokens else set())
-        if (allowed := params.allowed_token_ids) is not None:
-            banned |= {w[0] for w in self.input_processor.bad_words_token_ids(params.bad_words) if len(w) == 1}
-            if set(allowed) <= banned:
-                raise ValueError(f"allowed_token_ids leaves no token to sample: {why}")
-        elif len(banned) >= self.vocab_size:
-            raise ValueError(f"stop_token_ids leaves no token to sample: {why}")
-        if sampling_params.structured_outputs is not None:
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs needs the tokenizer: the engine has none (skip_tokenizer_init=True)")
-            self.grammars.compile(sampling_params.structured_outputs)  # a bad grammar is refused before queuing
+        """A ``ValueError`` for parameters this engine could never serve (input_processor.py)."""
+        self.input_processor.check_sampling_params(sampling_params)
 
     def check_pooling_params(self, pooling_params: PoolingParams) -> None:
-        """A ``ValueError`` for a pooling request this engine could never serve."""
-        if not isinstance(pooling_params, PoolingParams):
-            raise ValueError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
-        if self.config.runner != "pooling":
-            raise ValueError("embedding needs a pooling runner: LLM(model, runner='pooling') "
-                             "(python -m nanoengine.serve --runner pooling)")
-        self.model_runner.pooler.check(pooling_params)
+        """A ``ValueError`` for a pooling request this engine could never serve (input_processor.py)."""
+        self.input_processor.check_pooling_params(pooling_params)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams) -> int:
-        """Queue a request; returns its id. The prompt is checked before anything is queued. With
-        ``PoolingParams`` (runner="pooling") the request is its prompt's vector: ``seq.pooled`` once
-        it is finished, and no tokens."""
-        if isinstance(params, PoolingParams):
-            return self._add_pooling_request(prompt, params)
-        sampling_params = params
-        self.check_sampling_params(sampling_params)
-        seq = Sequence(self.tokenize(prompt, sampling_params.truncate_prompt_tokens), sampling_params,
-                       self.model_runner.block_size)
-        if self.tokenizer is not None:  # without one, outputs are token ids and their text is None
-            p = sampling_params
-            seq.detokenizer = Detokenizer(self.tokenizer, p.stop, p.include_stop_str_in_output, p.skip_special_tokens,
-                                          p.min_tokens)
-        if sampling_params.structured_outputs is not None:
-            seq.grammar = self.grammars.matcher(sampling_params.structured_outputs)
-        seq.bad_words_token_ids = self.input_processor.bad_words_token_ids(sampling_params.bad_words)
-        seq.allowed_token_mask = self.input_processor.allowed_token_mask(sampling_params.allowed_token_ids)
-        return self._queue(seq)
-
-    def _add_pooling_request(self, prompt: str | list[int], pooling_params: PoolingParams) -> int:
-        """A prompt scheduled like any other whose last step pools instead of sampling (pooler.py). Its
-        sequence's SamplingParams are the defaults: one sample, no logprobs, nothing it reads."""
-        self.check_pooling_params(pooling_params)
-        seq = Sequence(self.tokenize(prompt, pooling_params.truncate_prompt_tokens), SamplingParams(),
-                       self.model_runner.block_size)
-        seq.pooling_params = pooling_params
-        return self._queue(seq)
-
-    def _queue(self, seq: Sequence) -> int:
+        """Queue a request; returns its id. The prompt and parameters are checked before anything is
+        queued (input_processor.py). With ``PoolingParams`` (runner="pooling") the request is its
+        prompt's vector: ``seq.pooled`` once it is finished, and no tokens."""
+        seq = self.input_processor.process(prompt, params, self.model_runner.block_size)
         self.scheduler.add(seq)
         self.requests[seq.seq_id] = seq
         self.counters["prompt_tokens"] += seq.num_prompt_tokens

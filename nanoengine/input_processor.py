@@ -1,11 +1,13 @@
-"""Input processing: a request's prompt, checked and turned into token ids before anything is queued.
+"""Input processing: a request, checked and turned into the sequence the scheduler queues.
 
 A prompt the engine could never serve is refused here with a ``ValueError`` that says why, before
 the tokenizer spends time on it or a step fails on it: text longer than ``max_model_len`` tokens
 could hold, a lone surrogate, token ids outside the vocabulary, an empty prompt, one longer than
 ``max_model_len``. A chat conversation becomes its prompt through the tokenizer's chat template
 (vLLM's input preprocessor does both), and a request's ``bad_words`` and ``allowed_token_ids``
-become what the logits processors read. The engine's ``tokenize`` and ``chat_prompt`` are these.
+become what the logits processors read. Sampling and pooling parameters are checked against
+what this engine was built with (its vocabulary, its limits, its runner) in the same pass. The
+engine's ``tokenize``, ``chat_prompt`` and ``add_request`` start here.
 """
 
 import inspect
@@ -14,10 +16,20 @@ import numbers
 import torch
 from jinja2 import TemplateError
 
+from nanoengine.config import Config
+from nanoengine.detokenizer import Detokenizer
+from nanoengine.pooler import Pooler, PoolingParams
+from nanoengine.sampling_params import SamplingParams
+from nanoengine.sequence import Sequence
+from nanoengine.structured_output import GrammarCompiler
+
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
-        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+    def __init__(self, tokenizer, vocab_size: int, config: Config, eos_token_ids: set[int],
+                 grammars: GrammarCompiler, pooler: Pooler | None):
+        self.tokenizer, self.vocab_size, self.config = tokenizer, vocab_size, config
+        self.max_model_len = max_model_len = config.max_model_len
+        self.eos_token_ids, self.grammars, self.pooler = eos_token_ids, grammars, pooler
         # No token covers more characters than the vocabulary's longest (a byte-level token's string
         # has a character per byte), so a text longer than this has more than max_model_len tokens:
         # refused before the tokenizer spends seconds on it (24 MB took 20 s, and memory kept).
@@ -66,6 +78,86 @@ class InputProcessor:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len="
                              f"{self.max_model_len}")
         return token_ids
+
+    def process(self, prompt, params: SamplingParams | PoolingParams, block_size: int) -> Sequence:
+        """A request as the sequence the scheduler queues, checked first: its prompt tokenized, and what
+        its sampling reads made once (the detokenizer, a grammar's matcher, bad words, allowed tokens).
+        A pooling request's prompt is scheduled like any other; its last step pools instead of
+        sampling (pooler.py), and its SamplingParams are the defaults, which read nothing."""
+        if isinstance(params, PoolingParams):
+            self.check_pooling_params(params)
+            seq = Sequence(self.tokenize(prompt, params.truncate_prompt_tokens), SamplingParams(), block_size)
+            seq.pooling_params = params
+            return seq
+        self.check_sampling_params(params)
+        seq = Sequence(self.tokenize(prompt, params.truncate_prompt_tokens), params, block_size)
+        if self.tokenizer is not None:  # without one, outputs are token ids and their text is None
+            seq.detokenizer = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                          params.skip_special_tokens, params.min_tokens)
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammars.matcher(params.structured_outputs)
+        seq.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        seq.allowed_token_mask = self.allowed_token_mask(params.allowed_token_ids)
+        return seq
+
+    def check_sampling_params(self, sampling_params: SamplingParams) -> None:
+        """A ``ValueError`` for parameters this engine could never serve."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if self.config.runner == "pooling":
+            raise ValueError("this engine's runner is 'pooling': it embeds prompts (LLM.embed, /v1/embeddings) and "
+                             "generates nothing; start one with runner='generate' (the default) to generate")
+        sampling_params.check()  # a field set after it was made (``sp.max_tokens = None``)
+        if sampling_params.n > self.config.max_num_seqs:  # a request's samples run side by side
+            raise ValueError(f"n={sampling_params.n} is more than max_num_seqs={self.config.max_num_seqs}")
+        if sampling_params.stop and self.tokenizer is None:  # stop strings are found in the text
+            raise ValueError("stop strings need text: the engine has no tokenizer (skip_tokenizer_init=True); "
+                             "use stop_token_ids")
+        if sampling_params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need the tokenizer: the engine has none (skip_tokenizer_init=True)")
+        for field in ("logit_bias", "stop_token_ids", "allowed_token_ids"):  # token ids the logits are indexed by
+            if bad := [t for t in getattr(sampling_params, field) or () if not 0 <= t < self.vocab_size]:
+                raise ValueError(f"{field} names token ids {bad[:5]} outside the model's vocabulary "
+                                 f"[0, {self.vocab_size})")
+        config = self.config
+        for field in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(sampling_params, field)) is not None and value > config.max_logprobs:
+                raise ValueError(f"{field}={value} is more than max_logprobs={config.max_logprobs}")
+            if value is not None and value > self.vocab_size:  # whatever max_logprobs allows: topk would fail the step
+                raise ValueError(f"{field}={value} is more than the vocabulary's {self.vocab_size} tokens")
+        # bad_words are checked against every step's tokens as stop strings are against its text
+        for field in ("stop", "bad_words"):
+            strings = getattr(sampling_params, field)
+            if len(strings) > config.max_stop_strings:
+                raise ValueError(f"{field} has {len(strings)} strings, more than "
+                                 f"max_stop_strings={config.max_stop_strings}")
+            if (longest := max(map(len, strings), default=0)) > config.max_stop_string_length:
+                raise ValueError(f"{field} has a string of {longest} characters, more than "
+                                 f"max_stop_string_length={config.max_stop_string_length}")
+        # A row of -inf samples nonsense: refused where it is certain from the start (the few one-token
+        # bad words can ban all of a row's allowed tokens, never the whole vocabulary).
+        params, why = sampling_params, "each is a one-token bad word, or a stop token that min_tokens holds back"
+        banned = ((set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
+                  if params.min_tokens else set())
+        if (allowed := params.allowed_token_ids) is not None:
+            banned |= {w[0] for w in self.bad_words_token_ids(params.bad_words) if len(w) == 1}
+            if set(allowed) <= banned:
+                raise ValueError(f"allowed_token_ids leaves no token to sample: {why}")
+        elif len(banned) >= self.vocab_size:
+            raise ValueError(f"stop_token_ids leaves no token to sample: {why}")
+        if sampling_params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the tokenizer: the engine has none (skip_tokenizer_init=True)")
+            self.grammars.compile(sampling_params.structured_outputs)  # a bad grammar is refused before queuing
+
+    def check_pooling_params(self, pooling_params: PoolingParams) -> None:
+        """A ``ValueError`` for a pooling request this engine could never serve."""
+        if not isinstance(pooling_params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
+        if self.config.runner != "pooling":
+            raise ValueError("embedding needs a pooling runner: LLM(model, runner='pooling') "
+                             "(python -m nanoengine.serve --runner pooling)")
+        self.pooler.check(pooling_params)
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each of ``SamplingParams.bad_words``' token ids as the tokenizer writes it at the start of a

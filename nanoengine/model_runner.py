@@ -176,7 +176,7 @@ class ModelRunner:
         logits_indices = []
         for seq, first, end in zip(seqs, cu_q, cu_q[1:]):
             logits_indices += [first + p - seq.num_computed_tokens for p in seq.prompt_logprob_positions]
-            logits_indices += range(end - 1 - len(seq.spec_token_ids), end) if seq.samples else []
+            logits_indices += range(end - 1 - len(seq.spec_token_ids), end) if seq.is_sampling else []
         ctx = Context(
             is_prefill=True, slot_mapping=self._tensor(slots, torch.int64),
             cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32),
@@ -212,7 +212,7 @@ class ModelRunner:
         if self.pooler is not None:  # then these are hidden states (execute_model): pooled, not sampled
             return self._pool(logits, seqs)
         rows = LogitRows.of([len(seq.prompt_logprob_positions) if seq.needs_prompt_logprobs else None for seq in seqs],
-                            [len(seq.sample_indices) if seq.samples else 0 for seq in seqs],
+                            [len(seq.sample_indices) if seq.is_sampling else 0 for seq in seqs],
                             [len(seq.spec_token_ids) for seq in seqs])
         prompt_logprobs = None
         if any(seq.needs_prompt_logprobs for seq in seqs):  # each scores the prompt token after its position
@@ -220,7 +220,7 @@ class ModelRunner:
                 logits[span], torch.tensor(seq.token_ids[p.start + 1:p.stop + 1], device=logits.device),
                 [seq.sampling_params.prompt_logprobs] * len(span))
                 for seq, span, p in zip(seqs, rows.prompt_logprobs, (s.prompt_logprob_positions for s in seqs))]
-        sampling = [seq for seq in seqs if seq.samples]
+        sampling = [seq for seq in seqs if seq.is_sampling]
         sampled = self._sample(rows.sample_logits(logits), sampling) if sampling else SamplerOutput([])
         return SamplerOutput(rows.per_output(sampled.token_ids),
                              None if sampled.logprobs is None else rows.per_output(sampled.logprobs), prompt_logprobs)
@@ -231,7 +231,7 @@ class ModelRunner:
         for seq, rows in zip(seqs, hidden.split([seq.num_scheduled_tokens for seq in seqs])):
             state = self.pooler.update(seq.pooled, rows, seq.num_computed_tokens)
             pooled.append(self.pooler.finish(state, seq.num_tokens, seq.pooling_params.dimensions)
-                          if seq.samples else state)
+                          if seq.is_sampling else state)
         return SamplerOutput([None] * len(seqs), pooled=pooled)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:

@@ -90,7 +90,7 @@ class LogitRows:
     in the output, which has a row per sample and a None row per sequence that samples nothing.
 
     The model returns, per sequence in order, a row for each prompt position that scores prompt
-    logprobs, then, if the step reaches its end (``seq.samples``), one for its next token and one
+    logprobs, then, if the step reaches its end (``seq.is_sampling``), one for its next token and one
     more per speculative draft it brought (the drafts' positions are after the newest token's). A
     sequence's first sample draws all ``n`` of its request's samples from its one row. Worked
     example: A is a prompt chunk with more to come, scoring prompt logprobs at its positions 0..3;

@@ -149,7 +149,7 @@ class SamplingParams:
 
     def check(self) -> None:
         """Check, and bring to one form, every field: when made, and again when a request is queued
-        (``LLMEngine.check_sampling_params``), since a field may be set in between."""
+        (``InputProcessor.check_sampling_params``), since a field may be set in between."""
         if not (is_number(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
         if not (is_number(self.top_p) and 0 < self.top_p <= 1):

@@ -139,7 +139,7 @@ class Scheduler:
                 seq = self.waiting[0]
                 seats += len(seq.sample_indices)
                 # Only tokens that will actually be computed count against the token budget.
-                num_new_tokens = seq.num_tokens - self.block_manager.num_cached_tokens(seq)
+                num_new_tokens = seq.num_tokens - self.block_manager.num_hit_tokens(seq)
                 if num_new_tokens > budget and self.enable_chunked_prefill:
                     num_new_tokens = budget
                 if num_new_tokens > budget or not self.block_manager.can_allocate(seq):
@@ -176,13 +176,13 @@ class Scheduler:
         then the children it forked). A pooling step (``pooled``) appends none: see ``_pool``.
 
         ``token_ids`` (and ``logprobs``) hold a row per sample, ``seq.sample_indices`` of each
-        sequence that samples (``seq.samples``: a request's first sample brings ``n`` rows and forks
+        sequence that samples (``seq.is_sampling``: a request's first sample brings ``n`` rows and forks
         ``n - 1`` children), and one None row for a prompt chunk with more to come. A row is the
         sample's new tokens: one, or with speculative drafts the accepted ones and the token after.
         """
         stepped, children, row = [], [], 0
         for i, seq in enumerate(seqs):
-            start, samples = seq.num_computed_tokens, seq.samples
+            start, samples = seq.num_computed_tokens, seq.is_sampling
             seq.num_computed_tokens += seq.num_scheduled_tokens
             if prompt_logprobs is not None and prompt_logprobs[i] is not None:
                 # Entry p is token p's; a prompt recomputed after a preemption overwrites its own.

@@ -117,7 +117,7 @@ class Sequence:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     @property
-    def samples(self) -> bool:
+    def is_sampling(self) -> bool:
         """Whether this step's tokens reach the sequence's end, so that it samples (a prompt chunk
         with more to come does not); with drafts, past its end."""
         return self.num_computed_tokens + self.num_scheduled_tokens >= self.num_tokens

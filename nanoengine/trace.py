@@ -14,8 +14,8 @@ speculative decoding, each step's drafts, the ones accepted and the slots and bl
 
 When each part is read: the header (why, admitted, preempted, budget, copies) right after
 ``schedule``; the table and the block lines as the step's inputs are built, before the forward
-(so "hashed" does not yet hold the full blocks this step writes, except a prompt's, promised at
-admission); "sampled", "forked" and "finished" after ``postprocess``.
+(so "cached" does not yet hold the full blocks this step writes, except a prompt's, cached
+pending at admission); "sampled", "forked" and "finished" after ``postprocess``.
 """
 
 from typing import Callable
@@ -154,7 +154,7 @@ class StepObserver:
     def _observe_postprocess(self, seqs: list[Sequence], token_ids, *args) -> list[Sequence]:
         rows, row = {}, 0  # each sampling sequence's first row of ``token_ids``, as postprocess reads them
         for seq in seqs:
-            rows[seq.seq_id], row = row, row + (len(seq.sample_indices) if seq.samples else 1)
+            rows[seq.seq_id], row = row, row + (len(seq.sample_indices) if seq.is_sampling else 1)
         if self.write is not None:
             self._body(seqs)  # before postprocess: the step's own positions and block tables
         stepped = self._postprocess(seqs, token_ids, *args)
@@ -215,10 +215,10 @@ class StepObserver:
         if ctx.is_prefill:
             self.write(f"  cu_seqlens_q {ctx.cu_seqlens_q.tolist()}   cu_seqlens_k {ctx.cu_seqlens_k.tolist()}")
         in_use = " ".join(f"{b.block_id}:{b.ref_count}" for b in bm.blocks if b.ref_count)
-        hashed = [b.block_id for b in bm.blocks if b.hash != -1]
+        cached = [b.block_id for b in bm.blocks if b.hash != -1]
         free = list(bm.free_block_ids)
         head = str(free[:6])[:-1] + (", ...]" if len(free) > 6 else "]")
-        self.write(f"  blocks    in use (id:refs) {in_use}   hashed {hashed}")
+        self.write(f"  blocks    in use (id:refs) {in_use}   cached {cached}")
         self.write(f"            free {len(free)}/{len(bm.blocks)}, free list head {head}")
 
 

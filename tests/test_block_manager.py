@@ -35,7 +35,7 @@ def computed(bm: BlockManager, seq: Sequence) -> None:
 
 
 def admit(bm: BlockManager, seq: Sequence) -> None:
-    """A prefill step that has run: blocks for every token, their K/V written, full ones registered."""
+    """A prefill step that has run: blocks for every token, their K/V written, full ones cached."""
     bm.allocate(seq)
     computed(bm, seq)
 
@@ -90,7 +90,7 @@ def test_full_blocks_get_chained_hashes_and_partial_block_none():
 
 
 def test_blocks_of_a_step_that_never_completes_lose_their_hashes():
-    """A prefill registers its full blocks at once, so that a later prompt of the same step can
+    """A prefill caches its full blocks at once, so that a later prompt of the same step can
     share them; if the step fails, the engine frees them before it wrote their K/V, and they must
     not stay cache hits."""
     bm = BlockManager(8, BS)
@@ -101,11 +101,11 @@ def test_blocks_of_a_step_that_never_completes_lose_their_hashes():
     assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
     bm.deallocate(b)  # the step raised: the engine aborts both
     bm.deallocate(a)
-    assert bm.hash_to_block_id == {} and bm.num_cached_tokens(make_seq(prefix + [0])) == 0
+    assert bm.hash_to_block_id == {} and bm.num_hit_tokens(make_seq(prefix + [0])) == 0
     c = make_seq(prefix + [11])
     prefill(bm, c)  # a step that completes keeps them
     bm.deallocate(c)
-    assert bm.num_cached_tokens(make_seq(prefix + [0])) == 8
+    assert bm.num_hit_tokens(make_seq(prefix + [0])) == 8
 
 
 def test_equal_block_after_different_prefix_is_not_shared():
@@ -125,7 +125,7 @@ def test_hash_hit_is_confirmed_against_stored_tokens(monkeypatch):
     a = make_seq([1, 2, 3, 4, 5])
     prefill(bm, a)
     b = make_seq([9, 9, 9, 9, 5])
-    assert bm.num_cached_tokens(b) == 0
+    assert bm.num_hit_tokens(b) == 0
     prefill(bm, b)
     assert b.num_cached_tokens == 0 and b.block_table[0] != a.block_table[0]
 
@@ -157,7 +157,7 @@ def test_prefix_is_revived_after_first_sequence_finished():
     bm.deallocate(a)
     assert bm.num_free_blocks == 8 and bm.num_used_blocks == 0
     b = make_seq(prefix + [20, 21])
-    assert bm.num_cached_tokens(b) == 8
+    assert bm.num_hit_tokens(b) == 8
     prefill(bm, b)
     assert b.block_table[:2] == shared
     assert [bm.blocks[i].ref_count for i in b.block_table] == [1, 1, 1]
@@ -166,7 +166,7 @@ def test_prefix_is_revived_after_first_sequence_finished():
 
 def test_fully_cached_prompt_still_computes_its_last_token():
     bm = BlockManager(8, BS)
-    prompt = [1, 2, 3, 4, 5, 6, 7, 8]  # exactly two full blocks, both registered
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]  # exactly two full blocks, both cached
     a = make_seq(prompt)
     prefill(bm, a)
     b = make_seq(prompt)  # while a is live
@@ -177,10 +177,10 @@ def test_fully_cached_prompt_still_computes_its_last_token():
     bm.deallocate(a)
     bm.deallocate(b)
     c = make_seq(prompt)  # after both finished
-    assert bm.num_cached_tokens(c) == 4
+    assert bm.num_hit_tokens(c) == 4
     one = BlockManager(8, 1)  # block size 1: every token but the last may be served
     prefill(one, make_seq([3, 1, 4], 1))
-    assert one.num_cached_tokens(make_seq([3, 1, 4], 1)) == 2
+    assert one.num_hit_tokens(make_seq([3, 1, 4], 1)) == 2
 
 
 def test_can_allocate_counts_revived_blocks_against_the_free_pool():
@@ -219,7 +219,7 @@ def test_least_recently_freed_blocks_are_reused_first():
     bm = BlockManager(6, BS)
     a, b, c = make_seq([1] * 4), make_seq([2] * 4), make_seq([3] * 4)
     for seq in (a, b, c):
-        admit(bm, seq)  # one full, registered block each: 0, 1, 2
+        admit(bm, seq)  # one full, cached block each: 0, 1, 2
     assert [a.block_table, b.block_table, c.block_table] == [[0], [1], [2]]
     bm.deallocate(b)
     bm.deallocate(a)
@@ -227,8 +227,8 @@ def test_least_recently_freed_blocks_are_reused_first():
     d = make_seq(list(range(100, 120)))  # five blocks of new content
     admit(bm, d)
     assert d.block_table == [3, 4, 5, 1, 0]  # never used first, then in the order freed
-    assert bm.num_cached_tokens(make_seq([3] * 4 + [0])) == 4  # freed last: still cached
-    assert bm.num_cached_tokens(make_seq([1] * 4 + [0])) == 0  # reused: gone
+    assert bm.num_hit_tokens(make_seq([3] * 4 + [0])) == 4  # freed last: still cached
+    assert bm.num_hit_tokens(make_seq([1] * 4 + [0])) == 0  # reused: gone
 
 
 def test_sequence_frees_its_tail_blocks_before_its_head():
@@ -239,7 +239,7 @@ def test_sequence_frees_its_tail_blocks_before_its_head():
     b = make_seq([50, 51])
     admit(bm, b)  # takes the block that held a's last block
     assert b.block_table == [2]
-    assert bm.num_cached_tokens(make_seq(list(range(9)))) == 8  # a's first two blocks survive
+    assert bm.num_hit_tokens(make_seq(list(range(9)))) == 8  # a's first two blocks survive
 
 
 def test_reused_block_loses_its_stale_hash_entry():
@@ -256,7 +256,7 @@ def test_reused_block_loses_its_stale_hash_entry():
     for h, block_id in bm.hash_to_block_id.items():
         assert bm.blocks[block_id].hash == h and bm.blocks[block_id].token_ids == [7, 7, 7, 7]
     bm.deallocate(b)
-    assert bm.num_cached_tokens(make_seq([1, 2, 3, 4, 5])) == 0
+    assert bm.num_hit_tokens(make_seq([1, 2, 3, 4, 5])) == 0
 
 
 # -- decode -------------------------------------------------------------------------------------
@@ -281,7 +281,7 @@ def test_decode_takes_one_new_block_exactly_at_each_block_boundary():
     assert grew_at == [9, 13, 17]
 
 
-def test_decode_registers_a_block_only_once_its_kv_is_written():
+def test_decode_caches_a_block_only_once_its_kv_is_written():
     bm = BlockManager(8, BS)
     seq = make_seq([1, 2, 3, 4, 5, 6])
     prefill(bm, seq, sampled=7)
@@ -289,7 +289,7 @@ def test_decode_registers_a_block_only_once_its_kv_is_written():
     assert seq.block(1) == [5, 6, 7, 8]
     bm.may_append(seq)  # the step that writes position 7 is scheduled, but has not run yet
     assert bm.blocks[seq.block_table[1]].hash == -1
-    assert bm.num_cached_tokens(make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0])) == 4
+    assert bm.num_hit_tokens(make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0])) == 4
     computed(bm, seq)  # it has run: block 1 is now full of K/V
     seq.append_token(0)
     block = bm.blocks[seq.block_table[1]]
@@ -319,11 +319,11 @@ def test_disabled_prefix_caching_never_hits():
     for _ in range(4):
         decode(bm, a)
     b = make_seq(prompt)
-    assert bm.num_cached_tokens(b) == 0
+    assert bm.num_hit_tokens(b) == 0
     prefill(bm, b)
     assert b.num_cached_tokens == 0 and not set(a.block_table) & set(b.block_table)
     bm.deallocate(a)
-    assert bm.num_cached_tokens(make_seq(prompt)) == 0
+    assert bm.num_hit_tokens(make_seq(prompt)) == 0
     assert bm.hash_to_block_id == {} and all(block.hash == -1 for block in bm.blocks)
 
 
@@ -388,7 +388,7 @@ class ReferenceBooks:
 
     def forget_prompt(self, table: list[int], num_hits: int, token_ids: list[int]) -> None:
         """The prefill step failed: no prefix its fresh blocks would have held is cached, not even
-        an older copy elsewhere (the failed step's promise had replaced that entry)."""
+        an older copy elsewhere (the failed step's pending block had replaced that entry)."""
         for i in range(num_hits, len(token_ids) // self.block_size):
             self.cache.pop(tuple(token_ids[:(i + 1) * self.block_size]), None)
 
@@ -431,7 +431,7 @@ class BlockManagerAgainstReference(RuleBasedStateMachine):
         assert self.bm.can_allocate(seq) == fits
         if not fits:
             return False
-        cached_before = self.bm.num_cached_tokens(seq)
+        cached_before = self.bm.num_hit_tokens(seq)
         self.bm.allocate(seq)
         table, hits = self.ref.prefill(seq.token_ids)
         assert seq.block_table == table, "wrong hits, or free blocks not reused least recently freed first"
@@ -476,7 +476,7 @@ class BlockManagerAgainstReference(RuleBasedStateMachine):
         table = self.ref.append_slot(seq.block_table, seq.token_ids)
         self.bm.may_append(seq)
         assert seq.block_table == table
-        self.every_cache_entry_matches_its_blocks_contents()  # nothing registered before K/V is written
+        self.every_cache_entry_matches_its_blocks_contents()  # nothing cached before K/V is written
         self.ref.write(table[-1], seq.token_ids, seq.num_tokens)
         computed(self.bm, seq)
         seq.append_token(sampled)

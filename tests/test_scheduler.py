@@ -411,7 +411,7 @@ def drive(config: dict, requests: list[Request]) -> Scheduler:
             assert all(s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens for s in batch)
             if scheduler.waiting and len(scheduler.running) < max_num_seqs:  # the next one could not join
                 head = scheduler.waiting[0]
-                assert (computed + head.num_tokens - bm.num_cached_tokens(head) > budget
+                assert (computed + head.num_tokens - bm.num_hit_tokens(head) > budget
                         or not bm.can_allocate(head))
         else:
             assert not head_fits, "prefill must go first whenever the queue's head can be admitted"

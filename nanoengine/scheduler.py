@@ -12,6 +12,9 @@ soon as there is room: that is continuous batching. Two policies share that rule
   decode token each, or the next chunk of a prompt that is still being computed), and waiting
   prompts fill what is left of the budget, the last one admitted possibly only in part. One step
   then mixes decodes and prompt chunks, and running streams keep a steady pace.
+  An admitted prompt gets blocks for all its tokens at once, not chunk by chunk as in vLLM V1:
+  once admitted it cannot run out of blocks halfway, so only a decode ever preempts, and never a
+  half-computed prompt; the price is blocks held idle for the chunks still to come.
 
 When a running sequence needs a new KV block and none is free, the most recently admitted sequence
 is preempted: its blocks are freed and it returns to the head of the waiting queue, to be

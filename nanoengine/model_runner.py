@@ -208,9 +208,9 @@ class ModelRunner:
         input_ids, positions, ctx = (self.prepare_decode if is_decode else self.prepare_prefill)(seqs)
         if blocks_to_copy:
             ctx.blocks_to_copy = self._tensor(blocks_to_copy, torch.int64)
+        if self.pooler is not None:  # a pooling runner's forward returns hidden states: pooled, not sampled
+            return self._pool(self.compute_logits(input_ids, positions, ctx), seqs)
         logits = self.compute_logits(input_ids, positions, ctx)
-        if self.pooler is not None:  # then these are hidden states (execute_model): pooled, not sampled
-            return self._pool(logits, seqs)
         rows = LogitRows.of([len(seq.prompt_logprob_positions) if seq.needs_prompt_logprobs else None for seq in seqs],
                             [len(seq.sample_indices) if seq.is_sampling else 0 for seq in seqs],
                             [len(seq.spec_token_ids) for seq in seqs])

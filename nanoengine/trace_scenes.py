@@ -1,5 +1,6 @@
-"""The scenes of ``python example.py --trace`` and docs/walkthrough.md: small, greedy runs of the
-default model, each built so that one mechanism happens where a ``StepObserver`` (trace.py) prints it.
+"""The scenes of ``python example.py --trace`` and docs/walkthrough.md: small runs of the default
+model (greedy, but for the fork's seeded samples), each built so that one mechanism happens where a
+``StepObserver`` (trace.py) prints it.
 
 Each scene has its engine's options (``SCENE_OPTIONS``) and its requests (``demo``); the printed
 steps are the observer's.

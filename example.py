@@ -1,10 +1,12 @@
 """Chat with the default model (SmolLM2-135M-Instruct) through nanoengine's offline API.
 
 ``python example.py --trace`` instead runs a small scene step by step and prints what the
-scheduler decided and what the model runner built at each step (nanoengine/trace.py; read it
-beside docs/walkthrough.md): a preemption and prefix-cache hits; with ``--chunked``, chunked
-prefill's mixed steps; with ``--fork``, a request's two samples sharing blocks (copy on write);
-with ``--speculative``, n-gram drafts verified in one step and the rejected ones taken back.
+scheduler decided and what the model runner built at each step (nanoengine/trace.py and
+trace_scenes.py; read it beside docs/walkthrough.md): a preemption and prefix-cache hits; with
+``--chunked``, chunked prefill's mixed steps; with ``--fork``, a request's two samples sharing
+blocks (copy on write); with ``--speculative``, n-gram drafts verified in one step and the rejected
+ones taken back; with ``--structured``, the tokens a JSON schema allows at each step; with
+``--graphs``, which decode steps record a CPU graph and which replay one.
 ``--model DIR --load-format dummy`` runs a model from its config.json alone, with random weights
 and token-id prompts: a check of a GPU that has nothing to download.
 """
@@ -35,6 +37,10 @@ def main():
                        help="with --trace: a request with n=2, its samples sharing blocks, copy on write")
     scene.add_argument("--speculative", action="store_const", dest="scene", const="speculative",
                        help="with --trace: n-gram speculative decoding, drafts verified and taken back")
+    scene.add_argument("--structured", action="store_const", dest="scene", const="structured",
+                       help="with --trace: a JSON schema's allowed tokens, step by step")
+    scene.add_argument("--graphs", action="store_const", dest="scene", const="graphs",
+                       help="with --trace: decode steps recording and replaying a graph per batch bucket")
     parser.add_argument("--model", help="an HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights, for a model directory that holds only its config.json")
@@ -44,7 +50,7 @@ def main():
     if args.trace and (args.model or args.load_format != "auto"):
         parser.error("--trace runs the default model: it takes no --model or --load-format")
     if args.trace:
-        from nanoengine.trace import SCENE_OPTIONS, demo
+        from nanoengine.trace_scenes import SCENE_OPTIONS, demo
         scene = args.scene or "preemption"
         demo(LLM(**SCENE_OPTIONS[scene]), scene=scene)
         return

@@ -8,38 +8,25 @@ observed pays nothing. It keeps one small record per step (``records``: the numb
 the sequences admitted, preempted and finished, each sequence's block table and slot mapping,
 ``cu_seqlens`` or context lengths, the blocks' reference counts, which blocks carry a prefix hash,
 the free list's head, and the tokens sampled, as text; with chunked prefill the step's token
-budget, spent; and the copies on write and the forks of ``n > 1``. ``demo`` plays the scenes of
-``python example.py --trace [--chunked | --fork | --speculative]`` and docs/walkthrough.md; with
-speculative decoding, each step's drafts, the ones accepted and the slots and blocks taken back.
+budget, spent; and the copies on write and the forks of ``n > 1``; with speculative decoding, each
+step's drafts, the ones accepted and the slots and blocks taken back; with structured output, how
+many tokens each sample's grammar allowed and the one taken; with ``graphs=True``, which decode steps
+recorded a graph and which replayed one. trace_scenes.py plays the scenes of ``python example.py
+--trace`` and docs/walkthrough.md.
 
 When each part is read: the header (why, admitted, preempted, budget, copies) right after
 ``schedule``; the table and the block lines as the step's inputs are built, before the forward
 (so "cached" does not yet hold the full blocks this step writes, except a prompt's, cached
-pending at admission); "sampled", "forked" and "finished" after ``postprocess``.
+pending at admission); the grammar's masks before ``postprocess`` (which advances the matchers);
+"sampled", "forked", "graph" and "finished" after it.
 """
 
 from typing import Callable
 
 from nanoengine.context import Context
-from nanoengine.llm import LLM
-from nanoengine.sampling_params import SamplingParams
 from nanoengine.scheduler import ScheduledStep
 from nanoengine.sequence import Sequence, SequenceStatus
-
-# The scenes' engines: blocks of 8 tokens. "preemption": a cache of 8 blocks, small enough that the
-# third request is preempted; "chunked": a step budget of 24 tokens, so prompts arrive in chunks
-# beside running decodes; "fork": one request with n=2 whose samples share their prompt's blocks;
-# "speculative": n-gram drafts of up to 6 tokens, verified a step at a time.
-DEMO_OPTIONS = dict(dtype="float32", device="cpu", kvcache_block_size=8, num_kvcache_blocks=8)
-SCENE_OPTIONS = {"preemption": DEMO_OPTIONS,
-                 "chunked": {**DEMO_OPTIONS, "num_kvcache_blocks": 24, "enable_chunked_prefill": True,
-                             "max_num_batched_tokens": 24},
-                 "fork": {**DEMO_OPTIONS, "num_kvcache_blocks": 24},
-                 "speculative": {**DEMO_OPTIONS, "num_kvcache_blocks": 24, "speculative_config": {
-                     "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 3, "prompt_lookup_min": 2}}}
-DEMO_SYSTEM = "You are a concise assistant. Answer in one sentence."
-DEMO_QUESTIONS = ["What is the capital of France?", "What is the capital of Italy?", "Name a primary color."]
-DEMO_REPEAT = "Repeat this sentence: The old lighthouse keeper climbed the stairs every evening at dusk."
+from nanoengine.structured_output import allowed_tokens
 
 
 def ranges(values: list[int]) -> str:
@@ -54,8 +41,8 @@ def ranges(values: list[int]) -> str:
 
 
 class StepObserver:
-    def __init__(self, engine, write: Callable[[str], None] | None = None):
-        self.engine, self.write = engine, write
+    def __init__(self, engine, write: Callable[[str], None] | None = None, graphs: bool = False):
+        self.engine, self.write, self.graphs = engine, write, graphs
         self.records: list[dict] = []
         self.ctx: Context | None = None
         scheduler, runner = engine.scheduler, engine.model_runner
@@ -72,12 +59,15 @@ class StepObserver:
         return prepare_and_keep
 
     def _observe_schedule(self) -> ScheduledStep:
-        scheduler = self.engine.scheduler
+        scheduler, graph_runner = self.engine.scheduler, self.engine.model_runner.graph_runner
+        graphs_before = set(graph_runner.graphs) if self.graphs and graph_runner is not None else set()
         was_running, was_waiting = list(scheduler.running), list(scheduler.waiting)
         preemptions, hits = scheduler.num_preemptions, scheduler.prefix_cache_hit_tokens
         why = self._why(scheduler, was_waiting)
         step = self._schedule()
         seqs = step.seqs
+        # A decode step's batch size, and the graphs the runner held before it ran.
+        self.graph_step = (len(seqs), graphs_before) if all(seq.is_decode for seq in seqs) else None
         # What each sequence brought to verify, and the blocks it held for them (lookahead included).
         self.drafts = {seq.seq_id: (list(seq.spec_token_ids), list(seq.block_table)) for seq in seqs
                        if seq.spec_token_ids}
@@ -157,11 +147,17 @@ class StepObserver:
             rows[seq.seq_id], row = row, row + (len(seq.sample_indices) if seq.is_sampling else 1)
         if self.write is not None:
             self._body(seqs)  # before postprocess: the step's own positions and block tables
+            # The masks the sampler applied: each matcher is still where it was (postprocess advances it).
+            constrained = [seq for seq in seqs if seq.is_sampling and seq.grammar is not None]
+            masks = dict(zip(constrained, allowed_tokens([seq.grammar for seq in constrained],
+                                                         self.engine.vocab_size)[1])) if constrained else {}
         stepped = self._postprocess(seqs, token_ids, *args)
         if self.write is not None:
             decode = self.engine.tokenizer.decode
             words = "  ".join(f"#{seq.seq_id} {decode(seq.token_ids[-seq.num_new_tokens:])!r}" for seq in stepped)
             self.write(f"  sampled   {words or '(nothing: only prompt chunks ran)'}")
+            for seq, mask in masks.items():
+                self._grammar(seq, mask, token_ids[rows[seq.seq_id]][0])
             for seq in seqs:
                 if seq.seq_id in self.drafts:
                     self._verified(seq, *self.drafts[seq.seq_id], token_ids[rows[seq.seq_id]])
@@ -169,6 +165,8 @@ class StepObserver:
                 refs = " ".join(f"{b}:{self.engine.block_manager.blocks[b].ref_count}" for b in child.block_table)
                 self.write(f"  forked    #{child.seq_id} from #{child.request_id}: shares its blocks by reference "
                            f"count (id:refs now {refs}), and samples on its own")
+            if self.graphs:
+                self._graph()
             for seq in seqs:
                 if seq.is_finished:
                     self.write(f"  finished  #{seq.seq_id} ({seq.finish_reason}): "
@@ -195,6 +193,37 @@ class StepObserver:
             self.write(f"  {'rejected' if kept > accepted else 'dropped '}  {decode(taken)!r}: their K/V in slots "
                        f"{ranges(slots)} are past the sequence's length, never read, overwritten later"
                        + (f"; blocks {freed}, which held only them, are freed" if freed else ""))
+            if not seq.is_finished:
+                self.write(f"  goes on   #{seq.seq_id} with {seq.num_tokens} tokens: num_computed_tokens set back to "
+                           f"{seq.num_computed_tokens} (all but the newest), block table now {seq.block_table}")
+
+    def _grammar(self, seq: Sequence, mask, token_id: int) -> None:
+        """Structured output: the tokens the sample's grammar allowed at this step (its bitmask, as the
+        sampler applied it), the token taken, and the matcher, which ``postprocess`` advanced by it."""
+        allowed, token = int(mask.sum()), self.engine.tokenizer.decode([token_id])
+        matcher = ("stopped: the grammar is complete, so the sequence finishes" if seq.grammar.is_stopped() else
+                   "moves past it")
+        self.write(f"  grammar   #{seq.seq_id} allowed {allowed} of {len(mask)} tokens{' (forced)' * (allowed == 1)}, "
+                   f"took {token!r} ({'allowed' if mask[token_id] else 'NOT allowed'}); its matcher {matcher}")
+
+    def _graph(self) -> None:
+        """Which graph the step's forward used: a decode step pads its batch to a bucket and replays the
+        bucket's graph, or records it if it has none yet (on CPU, by running the step); prefill runs eagerly.
+        (A speculative verify step, which the CPU records and replays too, is reported as prefill.)"""
+        runner = self.engine.model_runner.graph_runner
+        if runner is None:
+            self.write("  graph     none: this engine runs every step eagerly")
+            return
+        buckets = sorted(b for b, q in runner.graphs if q == 1)
+        if self.graph_step is None:
+            self.write(f"  graph     none: a prefill step runs eagerly; graphs kept for buckets {buckets}")
+            return
+        n, before = self.graph_step
+        bucket = next(b for b in runner.buckets if b >= n)
+        padded = f", {bucket - n} padded row{'s' * (bucket - n > 1)} with slot -1" if bucket > n else ""
+        how = ("replayed its graph from C++ (the model's Python did not run)" if (bucket, 1) in before
+               else "recorded its graph as the step ran" if (bucket, 1) in runner.graphs else "ran eagerly")
+        self.write(f"  graph     batch {n} -> bucket {bucket}{padded}: {how}; graphs now for buckets {buckets}")
 
     def _body(self, seqs: list[Sequence]) -> None:
         ctx, bm = self.ctx, self.engine.block_manager
@@ -220,37 +249,3 @@ class StepObserver:
         head = str(free[:6])[:-1] + (", ...]" if len(free) > 6 else "]")
         self.write(f"  blocks    in use (id:refs) {in_use}   cached {cached}")
         self.write(f"            free {len(free)}/{len(bm.blocks)}, free list head {head}")
-
-
-def demo(llm: LLM, write: Callable[[str], None] = print, max_tokens: int = 24,
-         scene: str = "preemption") -> StepObserver:
-    """Play a scene (greedy; the engine made with ``LLM(**SCENE_OPTIONS[scene])``):
-
-    - "preemption": two chat requests that share a system prompt, a third arriving after the first
-      step; the 8-block cache forces one preemption.
-    - "chunked": the same three requests under chunked prefill with 24 tokens a step: prompts are
-      computed in chunks, in steps that also decode the running sequences.
-    - "fork": one request with ``n=2`` (sampled, seeded): its two samples share the prompt's blocks,
-      and the shared, partly filled last block is copied on write.
-    - "speculative": one request to repeat a sentence, with n-gram drafts: each step computes the
-      newest token and the drafts after it, keeps what the model agrees with, takes back the rest.
-    """
-    observer = StepObserver(llm, write)
-    prompts = [llm.chat_prompt([{"role": "system", "content": DEMO_SYSTEM}, {"role": "user", "content": q}])
-               for q in DEMO_QUESTIONS]
-    if scene == "speculative":
-        prompts = [llm.chat_prompt([{"role": "user", "content": DEMO_REPEAT}])]
-    if scene == "fork":
-        # The third question: 30 tokens, so the prompt ends inside a block, which both samples then write.
-        llm.add_request(prompts[2], SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=max_tokens // 3))
-        prompts = []
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    for prompt in prompts[:2]:
-        llm.add_request(prompt, params)
-    steps = 0
-    while llm.has_unfinished_requests() or steps < 1:
-        if steps == 1 and len(prompts) > 2:
-            llm.add_request(prompts[2], params)
-        llm.step()
-        steps += 1
-    return observer

@@ -1,5 +1,8 @@
-"""The step trace (nanoengine/trace.py) prints what the engine really holds, and its demo shows the cache at work."""
+"""The step trace (nanoengine/trace.py) prints what the engine really holds, and its scenes
+(nanoengine/trace_scenes.py) show the cache, speculation, grammars and graphs at work."""
 
+import ast
+import json
 import os
 import re
 import subprocess
@@ -8,8 +11,9 @@ import sys
 import pytest
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.trace import DEMO_OPTIONS, DEMO_REPEAT, SCENE_OPTIONS, demo, ranges
-from tests.conftest import OracleProposer
+from nanoengine.trace import ranges
+from nanoengine.trace_scenes import DEMO_OPTIONS, DEMO_REWRITE, DEMO_SCHEMA, SCENE_OPTIONS, demo
+from tests.conftest import OracleProposer, make_copying_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW = re.compile(r"  #(\d+)\s+(\[[\d., ]*\])\s+(\[[\d, ]*\])\s+(\[[\d., ]*\])\s")
@@ -52,7 +56,7 @@ def play(model: str, scene: str, max_tokens: int = 12):
     return llm, observer, "\n".join(lines).split("\nstep "), truth
 
 
-@pytest.mark.parametrize("scene", ["preemption", "chunked", "fork", "speculative"])
+@pytest.mark.parametrize("scene", ["preemption", "chunked", "fork", "speculative", "structured", "graphs"])
 def test_trace_prints_the_block_tables_slots_and_ref_counts_the_block_manager_holds(tiny_models, scene):
     llm, observer, steps, truth = play(tiny_models["llama"], scene)
     assert len(steps) == len(truth) == len(observer.records)
@@ -110,7 +114,7 @@ def test_speculative_scene_shows_the_drafts_accepted_and_the_rejected_ones_taken
     """With drafts right two times in three: steps verify several positions, print what was accepted,
     which slots the rejected drafts used, and the blocks that held only them, freed by that step."""
     llm = LLM(tiny_models["llama"], **SCENE_OPTIONS["speculative"])
-    prompt = llm.chat_prompt([{"role": "user", "content": DEMO_REPEAT}])
+    prompt = llm.chat_prompt([{"role": "user", "content": DEMO_REWRITE}])
     reference = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
     llm.proposer = OracleProposer([prompt], [reference["token_ids"]])
     lines: list[str] = []
@@ -122,6 +126,122 @@ def test_speculative_scene_shows_the_drafts_accepted_and_the_rejected_ones_taken
              for b in found.split(", ")]
     assert re.search(r"rejected  .*: their K/V in slots \[[\d., ]+\]", text) and freed
     assert llm.stats()["kvcache_blocks_in_use"] == 0
+
+
+GOES_ON = re.compile(r"goes on   #(\d+) with (\d+) tokens: num_computed_tokens set back to (\d+) .*"
+                     r"block table now (\[[\d, ]*\])")
+FREED = re.compile(r"blocks (\[[\d, ]+\]), which held only them, are freed")
+
+
+def test_speculative_scene_takes_rejected_drafts_back_from_a_sequence_that_goes_on(tokenizer, tmp_path):
+    """A model that repeats its last token, and drafts wrong at every third position: every verify step
+    refuses some drafts while the sequence goes on, and each time the lookahead crossed into a block
+    that then held only refused drafts, ``free_lookahead_blocks`` freed it. The trace prints what the
+    engine did: the blocks freed, ``num_computed_tokens`` set back, the table left, and later steps."""
+    llm = LLM(make_copying_model(os.fspath(tmp_path / "copying"), tokenizer), **SCENE_OPTIONS["speculative"])
+    prompt = llm.chat_prompt([{"role": "user", "content": DEMO_REWRITE}])
+    llm.proposer = OracleProposer([prompt], [[prompt[-1]] * 40])
+    takebacks, free_lookahead_blocks = [], llm.block_manager.free_lookahead_blocks
+
+    def record(seq):
+        before = list(seq.block_table)
+        free_lookahead_blocks(seq)
+        freed = [b for b in before if b not in seq.block_table]
+        takebacks.append((seq.seq_id, seq.num_tokens, seq.num_computed_tokens, list(seq.block_table), freed,
+                          list(llm.block_manager.free_block_ids)[:len(freed)]))
+
+    llm.block_manager.free_lookahead_blocks = record
+    lines: list[str] = []
+    demo(llm, lines.append, max_tokens=40, scene="speculative")
+    steps = "\n".join(lines).split("\nstep ")
+    live = [i for i, text in enumerate(steps) if "goes on" in text and "rejected" in text]
+    assert live and live[0] < len(steps) - 1  # refused drafts, then more steps of the same sequence
+    shown = 0
+    for text in steps:
+        for seq_id, num_tokens, computed, table in GOES_ON.findall(text):
+            (truth,) = [t for t in takebacks if t[:2] == (int(seq_id), int(num_tokens))]
+            assert (truth[2], truth[3]) == (int(computed), json.loads(table)) and truth[2] == truth[1] - 1
+            assert FREED.findall(text) == ([str(truth[4])] if truth[4] else [])
+            assert truth[5] == truth[4]  # freed blocks go to the front of the free list, the first reused
+            shown += bool(truth[4])
+    assert shown == sum(bool(t[4]) for t in takebacks) > 0
+
+
+GRAMMAR = re.compile(r"grammar   #\d+ allowed (\d+) of (\d+) tokens(?: \(forced\))?, "
+                     r"took (.*) \((allowed|NOT allowed)\)")
+
+
+def test_structured_scene_prints_the_grammars_allowed_tokens_and_the_token_taken(tiny_models, monkeypatch):
+    """Each step's printed count is that of the mask the sampler applied, the token printed is the one
+    sampled, inside the mask, and the finished output follows the schema."""
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+    import nanoengine.sampling_metadata
+    masks, sampled = [], []
+    allowed_tokens = nanoengine.sampling_metadata.allowed_tokens
+
+    def record_mask(matchers, vocab_size):
+        by_grammar = allowed_tokens(matchers, vocab_size)
+        masks.append(None if by_grammar is None else by_grammar[1].clone())
+        return by_grammar
+
+    monkeypatch.setattr(nanoengine.sampling_metadata, "allowed_tokens", record_mask)
+    llm = LLM(tiny_models["llama"], **SCENE_OPTIONS["structured"])
+    run = llm.model_runner.run
+
+    def run_and_record(seqs, blocks_to_copy=()):
+        output = run(seqs, blocks_to_copy)
+        sampled.append(output.token_ids[0][0])
+        return output
+
+    llm.model_runner.run = run_and_record
+    lines: list[str] = []
+    demo(llm, lines.append, max_tokens=128, scene="structured")
+    printed = [GRAMMAR.search(text) for text in "\n".join(lines).split("\nstep ")]
+    assert len(printed) == len(masks) == len(sampled) and all(printed)
+    for found, (mask,), token_id in zip(printed, masks, sampled):
+        assert (int(found[1]), int(found[2])) == (int(mask.sum()), len(mask)) and mask[token_id]
+        assert found[3] == repr(llm.tokenizer.decode([token_id])) and found[4] == "allowed"
+    assert any(int(found[1]) == 1 for found in printed) and any(int(found[1]) > 1 for found in printed)
+    (text,) = re.findall(r"finished  #\d+ \(stop\): (.*); its blocks", "\n".join(lines))
+    jsonschema.validate(json.loads(ast.literal_eval(text)), DEMO_SCHEMA)
+
+
+GRAPH = re.compile(r"graph     (?:batch (\d+) -> bucket (\d+).*: (recorded|replayed|ran eagerly)|none)"
+                   r".*buckets (\[[\d, ]*\])")
+
+
+def test_graphs_scene_records_each_buckets_graph_once_then_replays_it(tiny_models):
+    """Against the runner's graphs before and after each step: a decode step's bucket is the smallest
+    that holds its batch, it is recorded where the runner had no graph for it and replayed where it
+    had; the batch goes 3, 2, 1, 2, 1, so buckets 4, 2 and 1 are each recorded once and replayed."""
+    llm = LLM(tiny_models["llama"], **SCENE_OPTIONS["graphs"])
+    runner, run, truth = llm.model_runner.graph_runner, llm.model_runner.run, []
+    assert runner is not None and runner.records_cpu_graphs
+
+    def run_and_record(seqs, blocks_to_copy=()):
+        before = set(runner.graphs)
+        output = run(seqs, blocks_to_copy)
+        truth.append((len(seqs) if all(seq.is_decode for seq in seqs) else None, before, set(runner.graphs)))
+        return output
+
+    llm.model_runner.run = run_and_record
+    lines: list[str] = []
+    demo(llm, lines.append, max_tokens=24, scene="graphs")
+    printed = [GRAPH.search(text).groups() for text in "\n".join(lines).split("\nstep ")]
+    assert len(printed) == len(truth)
+    for (batch, bucket, how, buckets), (n, before, after) in zip(printed, truth):
+        assert json.loads(buckets) == sorted(b for b, q in after if q == 1)
+        if n is None:
+            assert batch is None and after == before  # prefill: eager, nothing recorded
+            continue
+        assert int(batch) == n and int(bucket) == min(b for b in runner.buckets if b >= n)
+        assert how == ("replayed" if (int(bucket), 1) in before else "recorded")
+        assert (how == "recorded") == (after != before)
+    decodes = [(int(bucket), how) for _, bucket, how, _ in printed if bucket]
+    assert [b for b, how in decodes if how == "recorded"] == [4, 2, 1]
+    assert {b for b, how in decodes if how == "replayed"} == {4, 2, 1}
+    assert [b for i, (b, _) in enumerate(decodes) if i == 0 or decodes[i - 1][0] != b] == [4, 2, 1, 2, 1]
 
 
 def test_demo_readmits_a_preempted_sequence_with_its_own_blocks_from_the_prefix_cache(tiny_models):

@@ -45,6 +45,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
         self.model = build_model(hf_config, config.max_model_len, tp, self.device, self.dtype)
+        if config.quantization and self.model.spec.moe:
+            raise ValueError(f"quantization={config.quantization!r} is not supported for mixture-of-experts models "
+                             "(their experts, most of the weights, have no quantized kernel yet): leave it unset")
         # Quantized a module at a time, as each is filled: the float weights are never all held at once.
         fmt = config.quantization
         loaded = (lambda name, module: quantize_linear(name, module, fmt)) if fmt else (lambda name, module: None)
@@ -76,8 +79,10 @@ class ModelRunner:
         # over the C++ kernels, whose calls a CPU graph records, and not with tensor parallelism: a
         # replay would repeat gloo's collectives without their waits.
         cpu_graphs = tp is None and config.attention_kernels == "cpu"
-        # A pooling runner never decodes: it has no graphs.
-        no_graphs = config.enforce_eager or config.learner_mode or self.pooler is not None
+        # A pooling runner never decodes: it has no graphs; nor does a mixture of experts, whose layer
+        # reads each step's tokens per expert into Python (moe.py), which no replay would repeat.
+        no_graphs = (config.enforce_eager or config.learner_mode or self.pooler is not None
+                     or self.model.spec.moe is not None)
         if not no_graphs and (self.device.type == "cuda" or cpu_graphs):
             spec = config.speculative_config
             self.graph_runner = DecodeGraphRunner(

@@ -25,6 +25,7 @@ from nanoengine.graph_runner import DecodeGraphRunner
 from nanoengine.linear import quantize_linear, quantize_linears
 from nanoengine.loader import load_dummy_weights, load_weights
 from nanoengine.model import build_model
+from nanoengine.moe import Experts
 from nanoengine.parallel import TensorParallelGroup
 from nanoengine.pooler import Pooler
 from nanoengine.rejection_sampler import RejectionSampler
@@ -45,12 +46,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
         self.model = build_model(hf_config, config.max_model_len, tp, self.device, self.dtype)
-        if config.quantization and self.model.spec.moe:
-            raise ValueError(f"quantization={config.quantization!r} is not supported for mixture-of-experts models "
-                             "(their experts, most of the weights, have no quantized kernel yet): leave it unset")
         # Quantized a module at a time, as each is filled: the float weights are never all held at once.
         fmt = config.quantization
-        loaded = (lambda name, module: quantize_linear(name, module, fmt)) if fmt else (lambda name, module: None)
+        loaded = (lambda name, module: module.quantize(fmt) if isinstance(module, Experts)
+                  else quantize_linear(name, module, fmt)) if fmt else (lambda name, module: None)
         if config.load_format == "dummy":
             load_dummy_weights(self.model, loaded)
         else:

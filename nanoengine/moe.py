@@ -35,6 +35,9 @@ MLP's are (linear.py): every rank routes every token the same way (the router is
 computes its share of each picked expert's features, and the partial sums out of ``down_proj`` are
 all-reduced once for the whole layer.
 
+With ``quantization`` each expert's two weights are quantized as a ``Linear``'s are
+(quantization.py), expert by expert, and each run's product is the quantized kernel's.
+
 The per-expert token counts are read into Python (the loop's bounds), so no graph, CUDA or CPU,
 could replay a step through this layer: model_runner.py decodes MoE models eagerly.
 """
@@ -43,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoengine import cpu_kernels, quantization
 from nanoengine.layers import SiluAndMul
 from nanoengine.model_families import MoESpec
 from nanoengine.parallel import Shard, TensorParallelGroup
@@ -68,28 +72,28 @@ def permute(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, l
     return order, torch.bincount(flat, minlength=num_experts).tolist()
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, experts: "Experts", leaf: str, counts: list[int]) -> torch.Tensor:
     """Rows ``x`` sorted by expert, ``counts[e]`` of them expert e's, each run times its expert's
-    ``weight[e]`` (``[out, in]``, as ``F.linear`` takes it): what a grouped GEMM does in one launch."""
-    out = x.new_empty(x.shape[0], weight.shape[1])
+    weight ``leaf`` (``Experts.matmul``): what a grouped GEMM does in one launch."""
+    out = x.new_empty(x.shape[0], experts.out_features[leaf])
     start = 0
     for expert, n in enumerate(counts):
         if n:
-            out[start:start + n] = F.linear(x[start:start + n], weight[expert])
+            out[start:start + n] = experts.matmul(leaf, expert, x[start:start + n])
             start += n
     return out
 
 
-def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights: torch.Tensor,
-              expert_ids: torch.Tensor, act: nn.Module) -> torch.Tensor:
-    """The experts' weighted sum for each token of x ``[num_tokens, hidden]``: routed already
-    (``weights``, ``expert_ids``: ``route``), through the stacked expert weights ``gate_up_proj``
-    ``[num_experts, 2 * intermediate, hidden]`` and ``down_proj`` ``[num_experts, hidden, intermediate]``.
-    In bf16 a token's k rows are summed in one rounding, where HF rounds after adding each expert."""
+def fused_moe(x: torch.Tensor, experts: "Experts", weights: torch.Tensor, expert_ids: torch.Tensor,
+              act: nn.Module) -> torch.Tensor:
+    """The experts' weighted sum for each token of x ``[num_tokens, hidden]``, routed already
+    (``weights``, ``expert_ids``: ``route``). In bf16 a token's k rows are summed in one rounding,
+    where HF rounds after adding each expert's."""
     num_tokens, top_k = expert_ids.shape
-    order, counts = permute(expert_ids, gate_up_proj.shape[0])
+    order, counts = permute(expert_ids, experts.num_experts)
     sorted_x = x[order // top_k]  # pair p is token p // top_k's
-    sorted_out = grouped_matmul(act(grouped_matmul(sorted_x, gate_up_proj, counts)), down_proj, counts)
+    hidden = act(grouped_matmul(sorted_x, experts, "gate_up_proj", counts))
+    sorted_out = grouped_matmul(hidden, experts, "down_proj", counts)
     out = torch.empty_like(sorted_out)
     out[order] = sorted_out  # back in (token, slot) order
     return (out.view(num_tokens, top_k, -1) * weights.to(x.dtype).unsqueeze(-1)).sum(dim=1)
@@ -100,11 +104,37 @@ class Experts(nn.Module):
     (each expert's gate rows, then its up rows) and ``down_proj`` ``[num_experts, hidden,
     intermediate]``, ``intermediate`` being this rank's ``shard`` of the features."""
 
+    quantized = False
+
     def __init__(self, hidden_size: int, num_experts: int, shard: Shard):
         super().__init__()
-        self.shard = shard
+        self.shard, self.num_experts = shard, num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * shard.size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, shard.size))
+        self.out_features = {"gate_up_proj": 2 * shard.size, "down_proj": hidden_size}
+
+    def matmul(self, leaf: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x times expert ``expert``'s weight ``leaf``, as ``F.linear`` (or the quantized kernel) takes it."""
+        if self.quantized:
+            scales = getattr(self, f"{leaf}_scales")
+            return cpu_kernels.quantized_linear(x, getattr(self, f"{leaf}_qweight")[expert],
+                                                None if scales is None else scales[expert], None,
+                                                self.out_features[leaf])
+        return F.linear(x, getattr(self, leaf)[expert])
+
+    def quantize(self, fmt: str) -> None:
+        """As ``Linear.quantize``, an expert at a time: each weight becomes ``{leaf}_qweight`` and
+        ``{leaf}_scales`` (None for int4), stacked over the experts, and the float weights are dropped.
+        Shapes the kernel does not take (``quantization.can_quantize``) keep their float weights."""
+        shapes = [tuple(getattr(self, leaf).shape[1:]) for leaf in self.out_features]
+        if not all(quantization.can_quantize(*shape) for shape in shapes):
+            return
+        for leaf in self.out_features:
+            parts = [quantization.quantize_weight(w, fmt) for w in getattr(self, leaf).detach()]
+            self.register_parameter(leaf, None)
+            self.register_buffer(f"{leaf}_qweight", torch.stack([q for q, _ in parts]))
+            self.register_buffer(f"{leaf}_scales", None if fmt == "int4" else torch.stack([s for _, s in parts]))
+        self.quantized = True
 
     def checkpoint_shards(self, leaf: str) -> list[tuple[str, tuple[int, str]]]:
         """For the loader: the checkpoint tensors that fill parameter ``leaf`` (their names after this
@@ -138,5 +168,5 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, expert_ids, self.act)
+        out = fused_moe(x, self.experts, weights, expert_ids, self.act)
         return out if self.tp is None else self.tp.all_reduce(out)

@@ -3,8 +3,8 @@
 Llama, Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 share this one decoder, and so do the mixtures
 of experts (Qwen3-MoE, Mixtral, OLMoE), whose sparse layers take moe.py's MLP; each family's
 differences (a bias, q/k norms, a sliding window, Gemma's norms, gate, soft caps and embedding
-scale, experts) are read from the HF config by model_families.py into a ``FamilySpec``, which the modules
-below take; with Llama's spec they are Llama's decoder. Tokens of all sequences in a step are
+scale, experts) are read from the HF config by model_families.py into a ``FamilySpec``, which the
+modules below take; with Llama's spec they are Llama's decoder. Tokens of all sequences in a step are
 packed into one flat batch, ``[num_tokens, hidden]``: there is no padding anywhere in the model;
 the ``Context`` tells attention where sequences start.
 

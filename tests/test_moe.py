@@ -25,7 +25,8 @@ from nanoengine.model import check_tensor_parallel_size
 from nanoengine.model_families import MoESpec, family_spec
 from nanoengine.moe import FusedMoE, permute, route
 from nanoengine.sequence import Sequence
-from tests.conftest import make_tiny_model
+from nanoengine.spec_decode import SpeculativeConfig
+from tests.conftest import OracleProposer, make_tiny_model
 from tests.test_model_families import random_prompts
 from tests.test_model_vs_hf import assert_greedy_matches_hf
 from tests.test_tensor_parallel import GREEDY, NUM_DECODE_STEPS, OPTIONS, PROMPT_LENS, shared_prefix_prompts, \
@@ -228,6 +229,20 @@ def test_two_ranks_each_holding_half_of_every_expert_compute_what_one_does(moe_m
         assert tp.stats()["num_preemptions"] > 0 and tp.stats()["prefix_cache_hit_tokens"] > 0
     finally:
         tp.workers.shutdown()
+
+
+@torch.inference_mode()
+def test_moe_speculative_verification_steps_give_hfs_greedy_tokens(moe_models):
+    """Drafts (the oracle's: right two times in three) verified several tokens a step, through the
+    experts in one batch, and rejected positions taken back: HF's greedy tokens still."""
+    path = moe_models["mixtral"]
+    llm = LLM(path, dtype="float32", device="cpu", kvcache_block_size=4)
+    prompts, params = random_prompts(VOCAB, (9, 17), seed=7), SamplingParams(temperature=0, max_tokens=12,
+                                                                               ignore_eos=True)
+    expected = [out["token_ids"] for out in assert_generation_matches_hf(llm, path, prompts, params)]
+    llm.config.speculative_config, llm.proposer = SpeculativeConfig("ngram", 3), OracleProposer(prompts, expected)
+    assert_generation_matches_hf(llm, path, prompts, params)
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
 # -- configs --------------------------------------------------------------------------------------------

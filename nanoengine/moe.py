@@ -141,7 +141,7 @@ class Experts(nn.Module):
         module's, each with its shard id): HF checkpoints hold each expert's projections apart."""
         projections = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
         return [(f"{expert}.{projection}.weight", (expert, projection))
-                for expert in range(self.gate_up_proj.shape[0]) for projection in projections]
+                for expert in range(self.num_experts) for projection in projections]
 
     def checkpoint_part(self, leaf: str, shard_id: tuple[int, str]):
         """For the loader, as linear.py's layers say it: the checkpoint tensor's shape, the part this

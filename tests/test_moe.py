@@ -189,14 +189,14 @@ def test_quantized_experts_compute_what_their_dequantized_weights_do(fmt):
     assert (got - expected).abs().max() < 0.05 * expected.abs().max()
 
 
-@pytest.mark.parametrize("fmt, similarity", [("int8", 0.98), ("int4", 0.5)])
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.inference_mode()
-def test_quantized_moe_models_run_close_to_hf(family, fmt, similarity, moe_models):
-    """Whole models with quantized experts (and linear layers) through the engine: logits close to HF's
-    float32 ones in direction at most positions. Not at all: a token whose router scores two experts
-    nearly alike may pick the other one once the weights are rounded, which changes its logits."""
-    llm = LLM(moe_models[family], dtype="float32", device="cpu", kvcache_block_size=4, quantization=fmt)
+def test_int4_moe_models_run_close_to_hf(family, moe_models):
+    """Whole models with int4 experts (and linear layers) through the engine: logits close to HF's
+    float32 ones in direction at most positions, held to test_model_families.py's int4 bound. Not at
+    all: a token whose router scores two experts nearly alike may pick the other one once the weights
+    are rounded, which changes its logits. (int8 is held tighter, layer by layer, above.)"""
+    llm = LLM(moe_models[family], dtype="float32", device="cpu", kvcache_block_size=4, quantization="int4")
     model, runner = llm.model_runner.model, llm.model_runner
     experts = model.model.layers[0].mlp.experts
     assert experts.quantized and experts.gate_up_proj is None
@@ -207,7 +207,7 @@ def test_quantized_moe_models_run_close_to_hf(family, fmt, similarity, moe_model
     logits = model.compute_logits(model(*runner.prepare_prefill([seq])))
     expected = hf_model(moe_models[family])(torch.tensor([prompt])).logits[0]
     centred = [x - x.mean(dim=-1, keepdim=True) for x in (logits, expected)]
-    assert torch.nn.functional.cosine_similarity(*centred, dim=-1).median() > similarity
+    assert torch.nn.functional.cosine_similarity(*centred, dim=-1).median() > 0.5
 
 
 # -- tensor parallelism ----------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from nanoengine.moe import FusedMoE, permute, route
 from nanoengine.sequence import Sequence
 from nanoengine.spec_decode import SpeculativeConfig
 from tests.conftest import OracleProposer, make_tiny_model
-from tests.test_model_families import random_prompts
+from tests.test_model_families import KERNELS, random_prompts
 from tests.test_model_vs_hf import assert_greedy_matches_hf
 from tests.test_tensor_parallel import GREEDY, NUM_DECODE_STEPS, OPTIONS, PROMPT_LENS, shared_prefix_prompts, \
     teacher_forced_logits
@@ -109,12 +109,14 @@ def test_moe_layer_matches_hfs_sparse_block_with_empty_experts_and_ties(family):
 
 # -- whole models against HF ---------------------------------------------------------------------------
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.inference_mode()
-def test_teacher_forced_moe_logits_match_hf_through_paged_cache(family, moe_models):
-    """A prefill of 49 tokens in three prompts, then decode steps of three sequences."""
+def test_teacher_forced_moe_logits_match_hf_through_paged_cache(family, kernels, moe_models):
+    """A prefill of 49 tokens in three prompts, then decode steps of three sequences; on the C++ kernels
+    and in learner mode (torch everywhere)."""
     llm = LLM(moe_models[family], dtype="float32", device="cpu", kvcache_block_size=4,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, **KERNELS[kernels])
     runner, model = llm.model_runner, llm.model_runner.model
     sparse = [type(layer.mlp) is FusedMoE for layer in model.model.layers]
     assert sparse == ([True, False, True] if family == "qwen3_moe" else [True] * 3)

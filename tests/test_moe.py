@@ -1,13 +1,15 @@
 """Mixtures of experts (moe.py; Qwen3-MoE, Mixtral, OLMoE) against HF transformers.
 
 The layer first, against HF's own sparse block of each family on the same weights: odd token
-counts, experts left without tokens, and top-k ties. Then whole tiny models (conftest.py's
-``make_tiny_model``, vocabulary 512) through the engine's paths, reusing test_model_families.py's
-helpers: teacher-forced logits through the paged cache, and greedy tokens through chunked prefill
-with preemption, and through prefix-cache hits with several samples of a prompt. Routing is spread
-by construction: a decode step of 3 sequences picks at most 3 * top_k experts (fewer than each
-family has: some get no tokens), a prefill of 49 tokens at least 49 * top_k / num_experts for one
-of them. Last, tensor parallelism: two ranks split each expert and compute what one does.
+counts, experts left without tokens, and top-k ties; quantized experts against their weights read
+back. Then whole tiny models (conftest.py's ``make_tiny_model``, vocabulary 512) through the
+engine's paths, as test_model_families.py runs the dense families: teacher-forced logits through
+the paged cache (C++ kernels and learner mode), and HF's greedy tokens through chunked prefill with
+preemption, prefix-cache hits with several samples of a prompt, and speculative verification.
+Routing is spread by construction: a decode step of 3 sequences picks at most 3 * top_k experts
+(fewer than each family has: some get no tokens), a prefill of 49 tokens at least
+49 * top_k / num_experts for one of them. Last, tensor parallelism: two ranks split each expert and
+compute what one does.
 """
 
 import functools

@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 from nanoengine.attention import Attention
 from nanoengine.context import Context
 from nanoengine.layers import GeluTanhAndMul, GemmaRMSNorm, RMSNorm, RotaryEmbedding, SiluAndMul
-from nanoengine.linear import PackedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from nanoengine.linear import PackedLinear, ParallelLMHead, RowParallelLinear, ShardedRMSNorm, VocabParallelEmbedding
 from nanoengine.model_families import FamilySpec, LayerSpec, family_spec
 from nanoengine.moe import FusedMoE
 from nanoengine.parallel import Shard, TensorParallelGroup
@@ -75,9 +75,6 @@ def check_tensor_parallel_size(config: PretrainedConfig, size: int) -> None:
     if spec.moe and spec.moe.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the model's experts' intermediate_size "
                          f"{spec.moe.intermediate_size}")
-    if spec.qk_norm_whole and size > 1:
-        raise ValueError(f"tensor_parallel_size={size}: this model's q/k norms span all heads at once (OLMoE), "
-                         "which nanoengine does not split over ranks; use tensor_parallel_size=1")
 
 
 def kv_head_shard(config: PretrainedConfig, tp: TensorParallelGroup | None) -> Shard:
@@ -105,7 +102,11 @@ class DecoderAttention(nn.Module):
                                      bias=spec.qkv_bias)
         self.o_proj = RowParallelLinear(q_shard, config.hidden_size, bias=spec.o_bias, tp=tp)
         self.qk_norm, self.qk_norm_whole = spec.qk_norm, spec.qk_norm_whole
-        if self.qk_norm:  # over each head, or over the whole projection (OLMoE)
+        if self.qk_norm_whole and tp is not None:  # OLMoE's norms over all heads, which the ranks share out
+            self.q_norm = ShardedRMSNorm(q_shard, config.rms_norm_eps, tp)
+            replicas = max(1, tp.size // config.num_key_value_heads)
+            self.k_norm = ShardedRMSNorm(kv_shard, config.rms_norm_eps, tp, replicas)
+        elif self.qk_norm:  # over each head, or over the whole projection (OLMoE)
             q_width, k_width = (q_shard.size, kv_shard.size) if spec.qk_norm_whole else (self.head_dim, self.head_dim)
             self.q_norm = norm_class(spec)(q_width, config.rms_norm_eps)
             self.k_norm = norm_class(spec)(k_width, config.rms_norm_eps)

@@ -127,14 +127,16 @@ def make_tiny_model(path: str, arch: str, tokenizer, seed: int = 0, **config_ove
             "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
             "short_factor": [1.0, 1.3, 1.7, 2.5], "long_factor": [1.0, 2.0, 4.0, 9.0]}),
         # Mixtures of experts (moe.py), on 3 layers: Qwen3-MoE's middle one dense (mlp_only_layers),
-        # top 4 of 16 renormalized; Mixtral's top 2 of 8 (always renormalized); OLMoE's top 2 of 8 not.
+        # top 4 of 16 renormalized; Mixtral's top 2 of 8 (always renormalized); OLMoE's top 2 of 8 not,
+        # with one kv head (which two ranks both hold, under its norm over the whole projection).
         "qwen3_moe": lambda: Qwen3MoeConfig(**common | {"num_hidden_layers": 3}, head_dim=16, moe_intermediate_size=32,
                                             num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
                                             mlp_only_layers=[1], tie_word_embeddings=False),
         "mixtral": lambda: MixtralConfig(**common | {"num_hidden_layers": 3, "intermediate_size": 32},
                                          num_local_experts=8, num_experts_per_tok=2, rope_theta=10000.0),
-        "olmoe": lambda: OlmoeConfig(**common | {"num_hidden_layers": 3, "intermediate_size": 32}, num_experts=8,
-                                     num_experts_per_tok=2, norm_topk_prob=False),
+        "olmoe": lambda: OlmoeConfig(**common | {"num_hidden_layers": 3, "intermediate_size": 32,
+                                                 "num_key_value_heads": 1},
+                                     num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
     }[arch]()
     config.update(config_overrides)
     torch.manual_seed(seed)

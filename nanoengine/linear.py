@@ -24,9 +24,11 @@ the one collective its split needs; the model says which split each layer gets (
         match the features its column-parallel layer made, so its product is a partial sum:
         all-reduce (the bias is added on rank 0 only, so it counts once)
     vocab-parallel embedding: each rank looks up the ids in its rows, zeros elsewhere: all-reduce
+    a norm over a whole column-parallel projection (``ShardedRMSNorm``, OLMoE's q/k norms): each
+    rank's sum of squares over its features, all-reduced into the mean square of them all
 
-So a decoder layer costs two all-reduces. At ``tensor_parallel_size=1`` every layer holds a whole
-tensor (``Shard.whole``) and its forward is the plain one.
+So a decoder layer costs two all-reduces (four with OLMoE's norms). At ``tensor_parallel_size=1``
+every layer holds a whole tensor (``Shard.whole``) and its forward is the plain one.
 """
 
 from typing import Callable
@@ -131,6 +133,26 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x, self.bias if self.adds_bias else None)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a whole projection that column parallelism split: this rank holds the features
+    ``shard`` of it, and that part of the weight. The mean square is over every feature: the ranks'
+    sums of squares are all-reduced. Where ``replicas`` ranks hold the same features (kv heads fewer
+    than ranks), each one's sum arrives that many times, and is divided back."""
+
+    def __init__(self, shard: Shard, eps: float, tp: TensorParallelGroup, replicas: int = 1):
+        super().__init__()
+        self.shard, self.eps, self.tp, self.replicas = shard, eps, tp, replicas
+        self.weight = nn.Parameter(torch.ones(shard.size))
+
+    def checkpoint_part(self, param_name: str, shard_id: None) -> CheckpointPart:
+        return (self.shard.total,), (slice(self.shard.start, self.shard.start + self.shard.size),), self.weight.data
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        square_sums = self.tp.all_reduce(x32.pow(2).sum(-1, keepdim=True)) / self.replicas
+        return self.weight * (x32 * torch.rsqrt(square_sums / self.shard.total + self.eps)).to(x.dtype)
 
 
 class VocabParallelEmbedding(nn.Embedding):

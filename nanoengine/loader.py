@@ -4,7 +4,8 @@ A model is a local HF directory (config.json, *.safetensors, tokenizer files) or
 ``.gguf`` file, which is converted once into such a directory in the cache (see
 ``checkpoint_directory``). Config, tokenizer and chat template always come from transformers; so
 does GGUF dequantization. What is ours is the mapping from checkpoint tensor names to our
-parameters, including the fused projections (see ``CausalLM.packed_modules_mapping``).
+parameters, including the fused projections (see ``CausalLM.packed_modules_mapping``) and the
+experts stacked in one parameter per layer (moe.py's ``Experts.checkpoint_shards``).
 """
 
 import contextlib
@@ -267,6 +268,12 @@ def _checkpoint_layout(model: nn.Module) -> dict[str, tuple[str, str | int | Non
     in the model's order."""
     layout = {}
     for param_name, _ in model.named_parameters():  # a tied lm_head shares the embedding's name
+        module_name, leaf = param_name.rsplit(".", 1)
+        module = model.get_submodule(module_name)
+        if hasattr(module, "checkpoint_shards"):  # experts, each one's tensors stacked in one parameter
+            layout.update({f"{module_name}.{fragment}": (param_name, shard_id)
+                           for fragment, shard_id in module.checkpoint_shards(leaf)})
+            continue
         shards = [(param_name.replace(f".{packed}.", f".{fragment}."), shard_id)
                   for fragment, (packed, shard_id) in model.packed_modules_mapping.items()
                   if f".{packed}." in param_name]
@@ -343,11 +350,14 @@ def load_weights(model: nn.Module, path: str, lm_head: bool = True,
     without ``model.``, and it may have no LM head, which a pooling runner never reads (``lm_head=False``).
     """
     layout, memory = _checkpoint_layout(model), ParameterMemory(model)
+    renames = getattr(model, "checkpoint_renames", ())
     with contextlib.ExitStack() as files:
         tensors = {}
         fused = getattr(model, "fused_checkpoint_tensors", {})
         for tensor in _split_fused(_checkpoint_tensors(path, files), fused):
             name = tensor.name
+            for theirs, ours in renames:  # Mixtral's block_sparse_moe.experts.0.w1 is our mlp.experts.0.gate_proj
+                name = name.replace(f".{theirs}.", f".{ours}.")
             if name not in layout and f"model.{name}" in layout:
                 name = f"model.{name}"
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and name not in layout):

@@ -1,9 +1,10 @@
 """The decoder: Llama's, and the families that depart from it in a few named ways.
 
-Llama, Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 share this one decoder; each family's
+Llama, Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 share this one decoder, and so do the mixtures
+of experts (Qwen3-MoE, Mixtral, OLMoE), whose sparse layers take moe.py's MLP; each family's
 differences (a bias, q/k norms, a sliding window, Gemma's norms, gate, soft caps and embedding
-scale) are read from the HF config by model_families.py into a ``FamilySpec``, which the modules
-below take; with Llama's spec they are Llama's decoder. Tokens of all sequences in a step are
+scale, experts) are read from the HF config by model_families.py into a ``FamilySpec``, which the
+modules below take; with Llama's spec they are Llama's decoder. Tokens of all sequences in a step are
 packed into one flat batch, ``[num_tokens, hidden]``: there is no padding anywhere in the model;
 the ``Context`` tells attention where sequences start.
 
@@ -24,10 +25,11 @@ from nanoengine.activation import GeluTanhAndMul, SiluAndMul
 from nanoengine.attention import Attention
 from nanoengine.context import Context
 from nanoengine.layernorm import GemmaRMSNorm, RMSNorm
-from nanoengine.rotary_embedding import RotaryEmbedding
-from nanoengine.linear import PackedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from nanoengine.linear import PackedLinear, ParallelLMHead, RowParallelLinear, ShardedRMSNorm, VocabParallelEmbedding
 from nanoengine.model_families import FamilySpec, LayerSpec, family_spec
+from nanoengine.moe import FusedMoE
 from nanoengine.parallel import Shard, TensorParallelGroup
+from nanoengine.rotary_embedding import RotaryEmbedding
 
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 LONGROPE_KEYS = ("short_factor", "long_factor", "original_max_position_embeddings", "attention_factor")
@@ -71,6 +73,10 @@ def check_tensor_parallel_size(config: PretrainedConfig, size: int) -> None:
     if config.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the model's intermediate_size "
                          f"{config.intermediate_size}")
+    spec = family_spec(config)
+    if spec.moe and spec.moe.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's experts' intermediate_size "
+                         f"{spec.moe.intermediate_size}")
 
 
 def kv_head_shard(config: PretrainedConfig, tp: TensorParallelGroup | None) -> Shard:
@@ -97,10 +103,15 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_shard, "k": kv_shard, "v": kv_shard},
                                      bias=spec.qkv_bias)
         self.o_proj = RowParallelLinear(q_shard, config.hidden_size, bias=spec.o_bias, tp=tp)
-        self.qk_norm = spec.qk_norm
-        if self.qk_norm:
-            self.q_norm = norm_class(spec)(self.head_dim, config.rms_norm_eps)
-            self.k_norm = norm_class(spec)(self.head_dim, config.rms_norm_eps)
+        self.qk_norm, self.qk_norm_whole = spec.qk_norm, spec.qk_norm_whole
+        if self.qk_norm_whole and tp is not None:  # OLMoE's norms over all heads, which the ranks share out
+            self.q_norm = ShardedRMSNorm(q_shard, config.rms_norm_eps, tp)
+            replicas = max(1, tp.size // config.num_key_value_heads)
+            self.k_norm = ShardedRMSNorm(kv_shard, config.rms_norm_eps, tp, replicas)
+        elif self.qk_norm:  # over each head, or over the whole projection (OLMoE)
+            q_width, k_width = (q_shard.size, kv_shard.size) if spec.qk_norm_whole else (self.head_dim, self.head_dim)
+            self.q_norm = norm_class(spec)(q_width, config.rms_norm_eps)
+            self.k_norm = norm_class(spec)(k_width, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, spec.attn_scale, layer.sliding_window,
                               spec.attn_softcap)
@@ -108,10 +119,12 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, ctx)
@@ -138,7 +151,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DecoderAttention(config, spec, layer, rotary_emb, tp)
         self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DecoderMLP(config, spec, tp)
+        self.mlp = FusedMoE(config.hidden_size, spec.moe, tp) if layer.sparse else DecoderMLP(config, spec, tp)
         # Gemma norms each block's output too, before it joins the residual: post_attention_layernorm
         # is then that norm of the attention's output, and pre_feedforward_layernorm the MLP's input norm.
         self.post_norms = spec.gemma_norms
@@ -202,6 +215,7 @@ class CausalLM(nn.Module):
             self.fused_checkpoint_tensors = {"qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
                                              "gate_up_proj": (("gate_proj", config.intermediate_size),
                                                               ("up_proj", config.intermediate_size))}
+        self.checkpoint_renames = spec.checkpoint_renames  # Mixtral's names for the experts (loader.py)
         self.lm_head = ParallelLMHead(Shard.split(config.vocab_size, tp), config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -17,6 +17,12 @@ answers wrong. A new family is a function of a few lines below and an entry in `
   one with its scaling).
 - Phi-3 (and Phi-4-mini): Mistral's decoder whose checkpoint fuses q/k/v into ``qkv_proj`` and
   gate/up into ``gate_up_proj`` (the loader cuts them apart), with LongRoPE and partial rotary.
+- Mixtures of experts (moe.py in place of the MLP, ``MoESpec``): Qwen3-MoE is Qwen3 whose layers
+  are sparse where ``mlp_only_layers`` and ``decoder_sparse_step`` say, renormalizing the top-k
+  weights if ``norm_topk_prob``; Mixtral is Mistral whose every layer is sparse, always renormalizing
+  its top 2, its checkpoint naming the block ``block_sparse_moe`` and an expert's projections w1
+  (gate), w3 (up), w2 (down); OLMoE is Llama with an RMSNorm over the whole q and k projections
+  (all heads at once) and sparse layers.
 """
 
 import math
@@ -36,6 +42,18 @@ class LayerSpec:
     and the window - 1 keys before it; None: every key) and its rotary embedding's ``rope_parameters``."""
     sliding_window: int | None
     rope: dict
+    sparse: bool = False  # its MLP is the mixture of experts ``FamilySpec.moe`` describes
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A mixture of experts (moe.py): ``num_experts`` gated MLPs of ``intermediate_size`` features,
+    of which a router picks ``top_k`` for each token; their weights are renormalized to sum to 1 if
+    ``renormalize`` (HF's ``norm_topk_prob``), else kept as the softmax over all experts gave them."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
 
 
 @dataclass(frozen=True)
@@ -45,6 +63,7 @@ class FamilySpec:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each query and key head before the rotary embedding
+    qk_norm_whole: bool = False  # with qk_norm: over the whole q (k) projection, all heads at once (OLMoE)
     gemma_norms: bool = False  # norms scale by (1 + weight); attention and MLP outputs are normed too
     activation: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh"
     embed_scale: float | None = None  # embeddings multiplied by it (in the model's dtype, as HF does)
@@ -52,6 +71,8 @@ class FamilySpec:
     final_softcap: float = 0.0  # the same for the logits
     attn_scale: float | None = None  # the softmax scale; None: head_dim ** -0.5
     fused_checkpoint: bool = False  # the checkpoint holds qkv_proj and gate_up_proj whole (Phi-3)
+    moe: MoESpec | None = None  # the experts of the layers marked sparse
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()  # checkpoint name fragment -> ours (Mixtral's)
 
 
 def check_rope(config: PretrainedConfig, rope: dict, field: str) -> dict:
@@ -134,6 +155,39 @@ def phi3(config: PretrainedConfig) -> FamilySpec:
     return replace(mistral(config), fused_checkpoint=True)
 
 
+def with_experts(config: PretrainedConfig, spec: FamilySpec, intermediate_size: int, renormalize: bool,
+                 sparse: Callable[[int], bool] = lambda layer: True) -> FamilySpec:
+    """``spec`` with a mixture of experts in the layers ``sparse`` picks (by index)."""
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} (config.hidden_act) is not supported; supported: silu")
+    if not 0 < config.num_experts_per_tok <= config.num_experts:
+        raise ValueError(f"config.num_experts_per_tok={config.num_experts_per_tok} must be between 1 and "
+                         f"config.num_experts={config.num_experts}")
+    layers = tuple(replace(layer, sparse=sparse(i)) for i, layer in enumerate(spec.layers))
+    return replace(spec, layers=layers, moe=MoESpec(config.num_experts, config.num_experts_per_tok,
+                                                    intermediate_size, renormalize))
+
+
+def qwen3_moe(config: PretrainedConfig) -> FamilySpec:
+    def sparse(layer: int) -> bool:  # HF's Qwen3MoeDecoderLayer's rule
+        return (layer not in config.mlp_only_layers and config.num_experts > 0
+                and (layer + 1) % config.decoder_sparse_step == 0)
+    return with_experts(config, qwen3(config), config.moe_intermediate_size, config.norm_topk_prob, sparse)
+
+
+def mixtral(config: PretrainedConfig) -> FamilySpec:
+    renames = (("block_sparse_moe", "mlp"), ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+    return replace(with_experts(config, mistral(config), config.intermediate_size, renormalize=True),
+                   checkpoint_renames=renames)
+
+
+def olmoe(config: PretrainedConfig) -> FamilySpec:
+    if config.clip_qkv is not None:
+        raise ValueError(f"config.clip_qkv={config.clip_qkv} (q/k/v clamped) is not supported; it must be null")
+    return replace(with_experts(config, llama(config), config.intermediate_size, config.norm_topk_prob),
+                   qk_norm=True, qk_norm_whole=True)
+
+
 # HF model_type -> its spec, and the architecture name (for messages and the README).
 FAMILIES: dict[str, tuple[str, Callable[[PretrainedConfig], FamilySpec]]] = {
     "llama": ("LlamaForCausalLM", llama),
@@ -143,6 +197,9 @@ FAMILIES: dict[str, tuple[str, Callable[[PretrainedConfig], FamilySpec]]] = {
     "gemma2": ("Gemma2ForCausalLM", gemma2),
     "gemma3_text": ("Gemma3ForCausalLM", gemma3_text),
     "phi3": ("Phi3ForCausalLM", phi3),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", qwen3_moe),
+    "mixtral": ("MixtralForCausalLM", mixtral),
+    "olmoe": ("OlmoeForCausalLM", olmoe),
 }
 
 

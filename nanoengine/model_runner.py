@@ -25,6 +25,7 @@ from nanoengine.graph_runner import DecodeGraphRunner
 from nanoengine.linear import quantize_linear, quantize_linears
 from nanoengine.loader import load_dummy_weights, load_weights
 from nanoengine.model import build_model
+from nanoengine.moe import Experts
 from nanoengine.parallel import TensorParallelGroup
 from nanoengine.pooler import Pooler
 from nanoengine.spec_rejection_sampler import RejectionSampler
@@ -47,7 +48,8 @@ class ModelRunner:
         self.model = build_model(hf_config, config.max_model_len, tp, self.device, self.dtype)
         # Quantized a module at a time, as each is filled: the float weights are never all held at once.
         fmt = config.quantization
-        loaded = (lambda name, module: quantize_linear(name, module, fmt)) if fmt else (lambda name, module: None)
+        loaded = (lambda name, module: module.quantize(fmt) if isinstance(module, Experts)
+                  else quantize_linear(name, module, fmt)) if fmt else (lambda name, module: None)
         if config.load_format == "dummy":
             load_dummy_weights(self.model, loaded)
         else:
@@ -76,8 +78,10 @@ class ModelRunner:
         # over the C++ kernels, whose calls a CPU graph records, and not with tensor parallelism: a
         # replay would repeat gloo's collectives without their waits.
         cpu_graphs = tp is None and config.attention_kernels == "cpu"
-        # A pooling runner never decodes: it has no graphs.
-        no_graphs = config.enforce_eager or config.learner_mode or self.pooler is not None
+        # A pooling runner never decodes: it has no graphs; nor does a mixture of experts, whose layer
+        # reads each step's tokens per expert into Python (moe.py), which no replay would repeat.
+        no_graphs = (config.enforce_eager or config.learner_mode or self.pooler is not None
+                     or self.model.spec.moe is not None)
         if not no_graphs and (self.device.type == "cuda" or cpu_graphs):
             spec = config.speculative_config
             self.graph_runner = DecodeGraphRunner(

@@ -103,7 +103,7 @@ def tokenizer():
 
 def make_tiny_model(path: str, arch: str, tokenizer, seed: int = 0, **config_overrides) -> str:
     from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                              Phi3Config, Qwen2Config, Qwen3Config)
+                              MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   rms_norm_eps=1e-6, initializer_range=0.25, bos_token_id=tokenizer.bos_token_id,
@@ -126,6 +126,17 @@ def make_tiny_model(path: str, arch: str, tokenizer, seed: int = 0, **config_ove
         "phi3": lambda: Phi3Config(**common, sliding_window=8, original_max_position_embeddings=64, rope_parameters={
             "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
             "short_factor": [1.0, 1.3, 1.7, 2.5], "long_factor": [1.0, 2.0, 4.0, 9.0]}),
+        # Mixtures of experts (moe.py), on 3 layers: Qwen3-MoE's middle one dense (mlp_only_layers),
+        # top 4 of 16 renormalized; Mixtral's top 2 of 8 (always renormalized); OLMoE's top 2 of 8 not,
+        # with one kv head (which two ranks both hold, under its norm over the whole projection).
+        "qwen3_moe": lambda: Qwen3MoeConfig(**common | {"num_hidden_layers": 3}, head_dim=16, moe_intermediate_size=32,
+                                            num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+                                            mlp_only_layers=[1], tie_word_embeddings=False),
+        "mixtral": lambda: MixtralConfig(**common | {"num_hidden_layers": 3, "intermediate_size": 32},
+                                         num_local_experts=8, num_experts_per_tok=2, rope_theta=10000.0),
+        "olmoe": lambda: OlmoeConfig(**common | {"num_hidden_layers": 3, "intermediate_size": 32,
+                                                 "num_key_value_heads": 1},
+                                     num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
     }[arch]()
     config.update(config_overrides)
     torch.manual_seed(seed)

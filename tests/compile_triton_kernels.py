@@ -44,10 +44,11 @@ def compile_kernel(kernel, target: GPUTarget, dtype: str, constexprs: dict, type
 
 def attention_configs(dtype: str):
     """(label, constexprs, types) as ``_attention`` launches them: packed prefill, paged prefill, split decode;
-    and paged prefill and decode over an 8-bit cache (its bytes decoded by triton_fp8.from_fp8) in each format."""
+    and, at head size 64, paged prefill and split decode over an 8-bit cache (its bytes decoded by
+    triton_fp8.from_fp8), one in each format."""
     for head_dim in (64, 256):
-        for page, splits, rows, fmt in ((0, 1, 1024, 0), (16, 1, 1024, 0), (16, 8, 2, 0), (256, 4, 2, 0),
-                                        (16, 1, 1024, E4M3), (16, 8, 2, E4M3), (16, 1, 1024, E5M2), (16, 8, 2, E5M2)):
+        fp8 = ((16, 1, 1024, E4M3), (16, 8, 2, E5M2)) if head_dim == 64 else ()
+        for page, splits, rows, fmt in ((0, 1, 1024, 0), (16, 1, 1024, 0), (16, 8, 2, 0), (256, 4, 2, 0), *fp8):
             block_m, block_n, block_d = tile_sizes(rows, head_dim, ITEMSIZE[dtype])
             constexprs = dict(GROUP=2, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
                               PAGE=page, NUM_SPLITS=splits, CAUSAL=True,

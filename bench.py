@@ -254,6 +254,8 @@ def main():
     parser.add_argument("--timeline", metavar="PATH.png", help="plot batch, KV blocks and preemptions per step")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "flash-attn", "triton", "torch"],
                         help="auto: flash-attn on CUDA where installed, else Triton; the C++ kernels on CPU")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                        help="K/V in the model's dtype (auto) or in 8 bits (fp8 = fp8_e4m3, fp8_e5m2)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: random weights, for a model directory with only its config.json")
     parser.add_argument("--penalties", action="store_true",
@@ -287,7 +289,7 @@ def main():
                   skip_tokenizer_init=not (grounded or args.structured_output),
                   speculative_config=args.speculative_config, enable_prefix_caching=not args.structured_output,
                   attention_backend=args.attention_backend, load_format=args.load_format,
-                  enable_chunked_prefill=args.enable_chunked_prefill,
+                  kv_cache_dtype=args.kv_cache_dtype, enable_chunked_prefill=args.enable_chunked_prefill,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   tensor_parallel_size=args.tensor_parallel_size, num_kvcache_blocks=args.num_kvcache_blocks)
     except ValueError as e:

@@ -26,6 +26,7 @@ from torch import nn
 
 from nanoengine.context import Context
 from nanoengine.cpu_kernels import flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu, store_kvcache_cpu
+from nanoengine.kv_cache_dtype import is_fp8
 from nanoengine.store_kvcache import store_kvcache_torch, store_kvcache_triton
 from nanoengine.torch_attention import (flash_attn_varlen_func_torch, flash_attn_with_kvcache_plain,
                                         flash_attn_with_kvcache_torch)
@@ -62,6 +63,9 @@ class Attention(nn.Module):
     ``sliding_window - 1`` keys before it, flash-attn's left window of ``sliding_window - 1``) and
     ``softcap`` are for the families that have them (model_families.py). The keys left of a window
     stay in the cache: attention only skips them.
+
+    ``k_scale`` and ``v_scale`` are vLLM's per-tensor scales of an 8-bit cache (kv_cache_dtype.py):
+    the store divides by them, attention multiplies (flash-attn 3's ``k_descale``, ``v_descale``).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
@@ -72,21 +76,27 @@ class Attention(nn.Module):
         self.window_size = (sliding_window - 1, 0) if sliding_window else (-1, -1)
         self.softcap = softcap
         self.k_cache = self.v_cache = torch.empty(0)
+        self.k_scale = self.v_scale = 1.0
         self.backend = get_backend("cpu", torch.device("cpu"))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context) -> torch.Tensor:
         """q: [num_tokens, H, D], k and v: [num_tokens, Hk, D] -> [num_tokens, H, D]."""
-        self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
+        # Only an 8-bit cache passes its scales: flash-attn (2) has no such arguments, nor needs them.
+        scales = dict(k_descale=self.k_scale, v_descale=self.v_scale) if is_fp8(self.k_cache.dtype) else {}
         if ctx.is_prefill:
-            if ctx.block_tables is not None:  # some prompt starts in the prefix cache: read it back
+            # Some prompt starts in the prefix cache (with an 8-bit cache, always: model_runner.py): read it back.
+            if ctx.block_tables is not None:
                 k, v = self.k_cache, self.v_cache
+            else:
+                scales = {}  # k and v themselves, in the model's dtype (the warm-up's step)
             return self.backend.flash_attn_varlen_func(
                 q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
                 max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
                 softmax_scale=self.scale, causal=True, block_table=ctx.block_tables,
-                window_size=self.window_size, softcap=self.softcap)
+                window_size=self.window_size, softcap=self.softcap, **scales)
         out = self.backend.flash_attn_with_kvcache(
             q.unsqueeze(1), self.k_cache, self.v_cache, cache_seqlens=ctx.context_lens,
             block_table=ctx.block_tables, softmax_scale=self.scale, causal=True, window_size=self.window_size,
-            softcap=self.softcap)
+            softcap=self.softcap, **scales)
         return out.squeeze(1)

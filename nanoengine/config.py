@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from nanoengine.kv_cache_dtype import check_kv_cache_dtype
 from nanoengine.pooler import PoolerConfig, load_pooler_config
 from nanoengine.sampling_params import is_int, is_number
 from nanoengine.spec_decode import SpeculativeConfig
@@ -79,6 +80,9 @@ class Config:
     # Which kernels attend (attention.py): "auto" is flash-attn on CUDA where it is installed, else the
     # Triton kernels; on CPU the C++ kernels. "torch" is the pure-torch reference on either device.
     attention_backend: str = "auto"
+    # vLLM's: "auto" stores K/V in the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2" in 8 bits,
+    # twice the tokens in the same memory (kv_cache_dtype.py).
+    kv_cache_dtype: str = "auto"
     # "auto" reads the checkpoint; "dummy" fills the model with random weights instead (vLLM's name),
     # for benchmarks on a machine that has a model's config.json and not its weights.
     load_format: str = "auto"
@@ -159,6 +163,7 @@ class Config:
                              "(its kernel takes bfloat16 or float32 activations), got dtype='float16'")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         self._check_attention_backend()
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
@@ -189,6 +194,9 @@ class Config:
         if kernels == "flash-attn" and importlib.util.find_spec("flash_attn") is None:
             raise ValueError("attention_backend='flash-attn' but flash-attn is not installed: build it as "
                              "docs/gpu.md says, or pass attention_backend='triton'")
+        if kernels == "flash-attn" and self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} cannot run with flash-attn, whose functions "
+                             "read the cache in the model's dtype: pass attention_backend='triton' (or 'auto')")
         if kernels == "flash-attn" and self.dtype == "float32":
             raise ValueError("dtype='float32' cannot run with flash-attn, which takes float16 or bfloat16 "
                              "(attention_backend='triton' takes float32)")
@@ -205,7 +213,9 @@ class Config:
             return "torch" if self.learner_mode else self.attention_backend
         if self.torch_device.type != "cuda":
             return "cpu"
-        return "flash-attn" if importlib.util.find_spec("flash_attn") is not None else "triton"
+        # An 8-bit cache takes the Triton kernels: flash-attn's read it in the model's dtype only.
+        flash_attn = importlib.util.find_spec("flash_attn") is not None and self.kv_cache_dtype == "auto"
+        return "flash-attn" if flash_attn else "triton"
 
     @property
     def torch_device(self) -> torch.device:

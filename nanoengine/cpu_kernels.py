@@ -16,6 +16,10 @@ are data (from Python each tensor would cost a reduction and a sync, per layer p
 a few integer compares per sequence). A kernel that finds a bad index changes nothing and
 returns an error code, which its wrapper turns into a ``ValueError`` naming the argument. Where
 a torch fallback runs instead, the same ranges are checked here, off the hot path.
+
+An 8-bit cache (kv_cache_dtype.py) has kernels of its own, named for the queries' dtype and the
+cache's (``decode_bfloat16_fp8_e4m3``); the layer's ``k_descale`` is folded into the softmax scale
+here, and ``v_descale`` is applied to each output by the kernel.
 """
 
 import torch
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 
 from nanoengine import quantization
 from nanoengine.cpu_library import load
+from nanoengine.kv_cache_dtype import FP8_DTYPES, inverse_scale
 from nanoengine.store_kvcache import store_kvcache_torch
 from nanoengine.torch_attention import flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch, window_left
 
@@ -30,6 +35,12 @@ DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}  # a kernel for 
 _FLOATS = tuple(DTYPES)
 _ATTENTION_FLOATS = (*DTYPES, torch.float16)  # float16 goes to the torch reference
 _INDEX = (torch.int32, torch.int64)
+_FP8_NAMES = {torch.float8_e4m3fn: "_fp8_e4m3", torch.float8_e5m2: "_fp8_e5m2"}
+
+
+def _kernel_name(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
+    """The suffix of the kernel for queries of ``q_dtype`` over a cache of ``cache_dtype``."""
+    return DTYPES[q_dtype] + _FP8_NAMES.get(cache_dtype, "")
 
 
 def _check(name: str, t: torch.Tensor, dtypes: tuple, shape: tuple) -> None:
@@ -83,7 +94,9 @@ def _check_block_table(block_table: torch.Tensor, seqlens: torch.Tensor, k_cache
 
 
 def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, dtypes: tuple, head_dim: int | None) -> None:
-    """Paged caches ``[num_blocks, block_size, num_kv_heads, head_dim]``, K and V alike."""
+    """Paged caches ``[num_blocks, block_size, num_kv_heads, head_dim]``, K and V alike; of one of
+    ``dtypes``, or 8-bit."""
+    dtypes = (*dtypes, *FP8_DTYPES)
     _check("k_cache", k_cache, dtypes, (None, None, None, head_dim))
     _check("v_cache", v_cache, (k_cache.dtype,), tuple(k_cache.shape))
 
@@ -99,28 +112,38 @@ def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
 
 
-def store_kvcache_cpu(key, value, k_cache, v_cache, slot_mapping) -> None:
+def store_kvcache_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
     """``store_kvcache`` on CPU: one C++ call per layer, where torch needs five ops."""
     _check_caches(k_cache, v_cache, _ATTENTION_FLOATS, None)
-    _check("key", key, (k_cache.dtype,), (None, *k_cache.shape[2:]))
-    _check("value", value, (k_cache.dtype,), tuple(key.shape))
+    fp8 = k_cache.dtype in FP8_DTYPES
+    _check("key", key, _ATTENTION_FLOATS if fp8 else (k_cache.dtype,), (None, *k_cache.shape[2:]))
+    _check("value", value, (key.dtype,), tuple(key.shape))
     _check("slot_mapping", slot_mapping, _INDEX, (key.shape[0],))
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    library = load("cpu_attention.cpp", k_cache.shape[-1])
+    library = load("cpu_attention.cpp", k_cache.shape[-1]) if not fp8 or key.dtype in DTYPES else None
     if library is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         # index_copy_ would raise on a slot past the cache, but drop one below -1 as padding
         _check_range("slot_mapping", slot_mapping, -1, num_slots, f"the cache has {num_slots} slots (-1 marks padding)")
-        return store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping)
+        return store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     key, value = _heads_contiguous(key), _heads_contiguous(value)
-    size, slots = key.element_size(), slot_mapping.long().contiguous()  # slots must outlive the call
-    if library.store_kvcache(key.data_ptr(), value.data_ptr(), key.stride(0) * size, value.stride(0) * size,
-                             k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), key.shape[0], num_slots,
-                             key[0].numel() * size, torch.get_num_threads()):
+    slots = slot_mapping.long().contiguous()  # slots must outlive the call
+    if fp8:  # strides in values: each is encoded (cpu_fp8.h)
+        code = getattr(library, "store_kvcache_" + _kernel_name(key.dtype, k_cache.dtype))(
+            key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            slots.data_ptr(), key.shape[0], num_slots, key[0].numel(), inverse_scale(k_scale), inverse_scale(v_scale),
+            torch.get_num_threads())
+    else:  # bytes are bytes: strides in bytes
+        size = key.element_size()
+        code = library.store_kvcache(key.data_ptr(), value.data_ptr(), key.stride(0) * size, value.stride(0) * size,
+                                     k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), key.shape[0], num_slots,
+                                     key[0].numel() * size, torch.get_num_threads())
+    if code:
         raise _range_error("slot_mapping", -1, num_slots, f"the cache has {num_slots} slots (-1 marks padding)")
 
 
 def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               softmax_scale=None, causal=False, block_table=None, window_size=(-1, -1), softcap=0.0):
+                               softmax_scale=None, causal=False, block_table=None, window_size=(-1, -1), softcap=0.0,
+                               k_descale=1.0, v_descale=1.0):
     """``flash_attn_varlen_func`` on CPU (prefill), by the C++ kernel; same arguments and semantics.
 
     A float16 cache, or no compiler, goes to the pure-torch reference instead.
@@ -145,7 +168,8 @@ def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     if library is None:
         _check_prefill_ranges(num_tokens, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, block_table)
         return flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                            softmax_scale, causal, block_table, window_size, softcap)
+                                            softmax_scale, causal, block_table, window_size, softcap, k_descale,
+                                            v_descale)
     cu_k = cu_seqlens_k.int().contiguous()
     packed = block_table is None
     if packed:
@@ -158,10 +182,10 @@ def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     q, k, v = _heads_contiguous(q), k.contiguous(), v.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype)
     tables, cu_q = block_table.int().contiguous(), cu_seqlens_q.int().contiguous()
-    code = getattr(library, "prefill_" + DTYPES[q.dtype])(
+    code = getattr(library, "prefill_" + _kernel_name(q.dtype, k.dtype))(
         q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), tables.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(),
         out.data_ptr(), batch, num_tokens, tables.shape[1], k.shape[0], k.shape[1], num_heads, k.shape[2],
-        softmax_scale or head_dim ** -0.5, int(causal), left, softcap, torch.get_num_threads())
+        (softmax_scale or head_dim ** -0.5) * k_descale, int(causal), left, softcap, v_descale, torch.get_num_threads())
     if code:
         raise _prefill_error(code, num_tokens, k, max_seqlen_k, block_table, packed)
     return out
@@ -198,7 +222,7 @@ def _check_prefill_ranges(num_tokens, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 
 
 def flash_attn_with_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=False,
-                                window_size=(-1, -1), softcap=0.0):
+                                window_size=(-1, -1), softcap=0.0, k_descale=1.0, v_descale=1.0):
     """``flash_attn_with_kvcache`` for decode on CPU (one query per sequence), by the C++ kernel.
 
     Cases the kernel does not cover (several queries per sequence, a float16 cache, no compiler)
@@ -215,14 +239,14 @@ def flash_attn_with_kvcache_cpu(q, k_cache, v_cache, cache_seqlens, block_table,
     if library is None:
         _check_block_table(block_table, cache_seqlens, k_cache, "cache_seqlens")
         return flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal,
-                                             window_size, softcap)
+                                             window_size, softcap, k_descale, v_descale)
     q, k_cache, v_cache = _heads_contiguous(q), k_cache.contiguous(), v_cache.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype)
     tables, seqlens = block_table.int().contiguous(), cache_seqlens.int().contiguous()
-    code = getattr(library, "decode_" + DTYPES[q.dtype])(
+    code = getattr(library, "decode_" + _kernel_name(q.dtype, k_cache.dtype))(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), seqlens.data_ptr(),
         out.data_ptr(), batch, tables.shape[1], k_cache.shape[0], k_cache.shape[1], num_heads, k_cache.shape[2],
-        softmax_scale or head_dim ** -0.5, left, softcap, torch.get_num_threads())
+        (softmax_scale or head_dim ** -0.5) * k_descale, left, softcap, v_descale, torch.get_num_threads())
     if code:
         raise _block_table_error(code, block_table, k_cache, "cache_seqlens")
     return out

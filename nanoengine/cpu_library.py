@@ -43,15 +43,20 @@ _LAYERS_SIGNATURES = {  # the same for the bfloat16 and float32 kernels
     "rotary": [_P, _P, _I64, _I64, _I, _I, _I, _P, _P, _I64, _I, _I],
 }
 _ATTENTION_SIGNATURES = {
-    "decode": [_P, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F, _I],
-    "prefill": [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I, _F, _I],
+    "decode": [_P, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F, _F, _I],
+    "prefill": [_P, _I64, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I, _F, _F, _I],
+    "store_kvcache": [_P, _P, _I64, _I64, _P, _P, _P, _I, _I64, _I64, _F, _F, _I],  # into an 8-bit cache
 }
+# Each attention kernel's query dtypes, and what a cache may hold beside the queries' dtype.
+_ATTENTION_KERNELS = [f"{dtype}{cache}" for dtype in ("bfloat16", "float32")
+                      for cache in ("", "_fp8_e4m3", "_fp8_e5m2")]
 # These return an int: an error code, 0 if done (replay: how many of its steps it made).
 RETURNS_INT = ("store_kvcache", "decode", "prefill", "rotary", "replay", "amx_")
 SIGNATURES = {  # each file's extern "C" functions and their argument types
     "cpu_graph.cpp": {"replay": [_P, _I]},
     "cpu_attention.cpp": {"store_kvcache": [_P, _P, _I64, _I64, _P, _P, _P, _I, _I64, _I64, _I]}
-    | {f"{name}_{dtype}": args for name, args in _ATTENTION_SIGNATURES.items() for dtype in ("bfloat16", "float32")},
+    | {f"{name}_{kernel}": args for name, args in _ATTENTION_SIGNATURES.items() for kernel in _ATTENTION_KERNELS
+       if "fp8" in kernel or name != "store_kvcache"},
     "cpu_layers.cpp": {f"{name}_{dtype}": args for name, args in _LAYERS_SIGNATURES.items()
                        for dtype in ("bfloat16", "float32")},
     "cpu_linear.cpp": {"linear_bfloat16": [_P, _I64, _P, _P, _P, _I, _I, _I, _I]},

@@ -15,6 +15,7 @@ itself runs (``interrupts_deferred``), so it can never land between two related 
 model's forward stays interruptible.
 """
 
+import logging
 import signal
 import threading
 import time
@@ -34,6 +35,8 @@ from nanoengine.spec_decode import NgramProposer, Proposer
 from nanoengine.spec_draft_model import DraftModelProposer
 from nanoengine.structured_output import GrammarCompiler
 from nanoengine.worker import start_workers
+
+logger = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -77,6 +80,9 @@ class LLMEngine:
                 self.workers.shutdown()
             raise
         config.fit_to_kvcache(self.model_runner.num_kvcache_blocks, self.model_runner.block_size)
+        runner = self.model_runner
+        logger.info("KV cache: %d tokens (%d blocks of %d) in %s", runner.num_kvcache_blocks * runner.block_size,
+                    runner.num_kvcache_blocks, runner.block_size, runner.kv_cache_dtype)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.model_runner.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -204,6 +210,7 @@ class LLMEngine:
             "num_requests_running": len(running := {seq.request_id for seq in self.scheduler.running}),
             "num_requests_waiting": len({seq.request_id for seq in self.scheduler.waiting} - running),
             "num_kvcache_blocks": len(self.block_manager.blocks),
+            "kvcache_tokens": len(self.block_manager.blocks) * self.block_manager.block_size,  # its capacity
             "kvcache_blocks_in_use": self.block_manager.num_used_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_tokens": self.scheduler.prefix_cache_hit_tokens,

@@ -22,6 +22,7 @@ from nanoengine.config import Config, kvcache_block_size, kvcache_budget_bytes, 
 from nanoengine.context import Context
 from nanoengine.cpu_runtime import keep_freed_memory_for_reuse, use_cpu_kernels, zeros
 from nanoengine.graph_runner import DecodeGraphRunner
+from nanoengine.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
 from nanoengine.linear import quantize_linear, quantize_linears
 from nanoengine.loader import load_dummy_weights, load_weights
 from nanoengine.model import build_model
@@ -43,6 +44,7 @@ class ModelRunner:
         self.device, self.dtype, self.tp = config.torch_device, config.torch_dtype, tp
         self.eos_token_ids = eos_token_ids  # held back by min_tokens (only rank 0 samples)
         self.block_size = kvcache_block_size(config.kvcache_block_size, config.attention_kernels)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)  # 1 byte a value with fp8
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
         self.model = build_model(hf_config, config.max_model_len, tp, self.device, self.dtype)
@@ -90,7 +92,7 @@ class ModelRunner:
 
     def _kvcache_block_bytes(self) -> int:
         a = self.attention_layers[0]
-        per_token = 2 * len(self.attention_layers) * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        per_token = 2 * len(self.attention_layers) * a.num_kv_heads * a.head_dim * self.kv_cache_dtype.itemsize
         return per_token * self.block_size
 
     def _kvcache_blocks_for_budget(self, config: Config) -> int:
@@ -124,7 +126,7 @@ class ModelRunner:
         a = self.attention_layers[0]
         # Zeroed, not empty: attention masks unused slots, and 0 * NaN garbage would still be NaN.
         self.kv_cache = zeros((2, len(self.attention_layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim),
-                              self.dtype, self.device)
+                              self.kv_cache_dtype, self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
@@ -174,7 +176,9 @@ class ModelRunner:
             slots += self._slots(seq, start, end)
             cu_q.append(cu_q[-1] + end - start)
             cu_k.append(cu_k[-1] + end)
-        reads_cache = any(seq.num_computed_tokens for seq in seqs)
+        # An 8-bit cache is always read back, so that a prompt attends over the same 8-bit keys whether
+        # or not they came from the prefix cache (vLLM attends over the cache in every step too).
+        reads_cache = is_fp8(self.kv_cache_dtype) or any(seq.num_computed_tokens for seq in seqs)
         # The rows whose logits are needed: prompt positions that score prompt logprobs, then the
         # sample's (the newest token's, and each draft's after it).
         logits_indices = []

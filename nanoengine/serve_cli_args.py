@@ -31,6 +31,9 @@ ENGINE_OPTIONS = {
     "--tensor-parallel-size": dict(type=int, help="ranks to split the model over (default: 1)"),
     "--attention-backend": dict(choices=["auto", "flash-attn", "triton", "torch"],
                                 help="auto: flash-attn on CUDA where installed, else Triton; C++ kernels on CPU"),
+    "--kv-cache-dtype": dict(choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                             help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: K/V in 8 bits, twice "
+                                  "the tokens"),
     "--speculative-config": dict(type=json.loads, metavar="JSON", help="speculative decoding, as LLM's dict: "
                                  '\'{"method": "ngram", "num_speculative_tokens": 4}\''),
     "--seed": dict(type=int, help="seeds the draws of requests that bring no seed (default: none, draws differ "

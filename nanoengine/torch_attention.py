@@ -11,10 +11,16 @@ Two of flash-attn's options serve Mistral's and Gemma's layers: ``window_size=(l
 sliding window (a query at position p sees keys p - left .. p; HF's ``sliding_window`` W is
 left = W - 1), and ``softcap`` (Gemma 2: each scaled score s becomes softcap * tanh(s / softcap)
 before the softmax). Every backend takes both; none needs ``right``, which causal attention fixes at 0.
+
+An 8-bit cache (kv_cache_dtype.py) is read as its values times flash-attn 3's ``k_descale`` and
+``v_descale`` (the layer's ``k_scale`` and ``v_scale``), in q's dtype: ``dequantize``, then attention
+as for any cache; the kernels are tested against exactly this.
 """
 
 import torch
 import torch.nn.functional as F
+
+from nanoengine.kv_cache_dtype import dequantize
 
 
 def window_left(window_size: tuple[int, int], causal: bool) -> int:
@@ -59,7 +65,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
 
 def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  softmax_scale=None, causal=False, block_table=None, window_size=(-1, -1),
-                                 softcap=0.0):
+                                 softcap=0.0, k_descale=1.0, v_descale=1.0):
     """Reference for flash-attn's ``flash_attn_varlen_func`` (the subset nanoengine uses).
 
     Without ``block_table``, k and v are packed like q. With it, k and v are the paged caches
@@ -78,12 +84,13 @@ def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
             seqlen_k = cu_k[i + 1] - cu_k[i]
             blocks = block_table[i, :(seqlen_k + block_size - 1) // block_size]
             k_i, v_i = k[blocks].flatten(0, 1)[:seqlen_k], v[blocks].flatten(0, 1)[:seqlen_k]
+        k_i, v_i = dequantize(k_i, k_descale, q.dtype), dequantize(v_i, v_descale, q.dtype)
         out[cu_q[i]:cu_q[i + 1]] = _attend(q_i, k_i, v_i, softmax_scale, causal, left, softcap)
     return out
 
 
 def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,
-                                  causal=False, window_size=(-1, -1), softcap=0.0):
+                                  causal=False, window_size=(-1, -1), softcap=0.0, k_descale=1.0, v_descale=1.0):
     """Reference for flash-attn's ``flash_attn_with_kvcache`` over a paged cache.
 
     q is ``[batch, seqlen_q, H, D]``; sequence b's keys are the first ``cache_seqlens[b]`` slots
@@ -103,6 +110,7 @@ def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_tabl
     rows = (slots * num_kv_heads + torch.arange(num_kv_heads, device=q.device)[:, None]).flatten()
     k = k_cache.view(-1, head_dim).index_select(0, rows).view(batch, num_kv_heads, -1, head_dim)
     v = v_cache.view(-1, head_dim).index_select(0, rows).view(batch, num_kv_heads, -1, head_dim)
+    k, v = dequantize(k, k_descale, q.dtype), dequantize(v, v_descale, q.dtype)
     # The query heads sharing a kv head become rows of one matmul (GQA without repeating K/V):
     # [batch, Hk, seqlen_q * group, D], rows ordered (query, head in group).
     q = q.view(batch, seqlen_q, num_kv_heads, group, head_dim).transpose(1, 2)
@@ -125,7 +133,7 @@ def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_tabl
 
 
 def flash_attn_with_kvcache_plain(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,
-                                  causal=False, window_size=(-1, -1), softcap=0.0):
+                                  causal=False, window_size=(-1, -1), softcap=0.0, k_descale=1.0, v_descale=1.0):
     """``flash_attn_with_kvcache`` one sequence at a time, as the math reads; same contract as the
     tuned version above (tested against it), many times slower on a large batch.
 
@@ -142,8 +150,9 @@ def flash_attn_with_kvcache_plain(q, k_cache, v_cache, cache_seqlens, block_tabl
         if n == 0:
             continue
         blocks = block_table[b, :(n + block_size - 1) // block_size].long()
-        k = k_cache[blocks].flatten(0, 1)[:n].float()  # [n, Hk, D]: blocks laid end to end, cut at n
-        v = v_cache[blocks].flatten(0, 1)[:n].float()
+        # [n, Hk, D]: blocks laid end to end, cut at n; an 8-bit cache's values times their scale
+        k = dequantize(k_cache[blocks].flatten(0, 1)[:n], k_descale, q.dtype).float()
+        v = dequantize(v_cache[blocks].flatten(0, 1)[:n], v_descale, q.dtype).float()
         # Grouped-query attention: each kv head serves num_heads // num_kv_heads query heads.
         k, v = (t.repeat_interleave(num_heads // num_kv_heads, dim=1) for t in (k, v))
         scores = torch.einsum("qhd,khd->hqk", q[b].float(), k) * scale  # [H, seqlen_q, n]

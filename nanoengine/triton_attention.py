@@ -23,6 +23,9 @@ functions attention.py calls (the subset nanoengine uses), over the same paged K
   sequence alone would be a handful of programs on a GPU of a hundred cores, so each sequence's
   keys are cut into ``num_splits`` stretches, a program each (flash-decoding); the stretches'
   partial outputs are merged by their log-sum-exps in ``_merge_kernel``.
+- An 8-bit cache (``FMT``, kv_cache_dtype.py) is read as bytes and decoded to q's dtype by
+  ``FROM_FP8`` (triton_fp8.py), exactly; its scales are flash-attn 3's ``k_descale`` and
+  ``v_descale``, folded into the score's scale and the output's.
 
 Every launch grid follows from shapes the caller fixes (batch size, heads, the block table's
 width), never from the lengths inside the tensors, and nothing is read back to the host: a decode
@@ -38,6 +41,7 @@ import functools
 import torch
 
 from nanoengine.torch_attention import window_left
+from nanoengine.triton_fp8 import fp8_format, from_fp8
 from nanoengine.triton_jit import jit, tl, triton
 
 LOG2E = 1.4426950408889634  # the kernels use exp2: exp(x) = exp2(x * log2(e))
@@ -47,11 +51,11 @@ MIN_KEYS_PER_SPLIT = 128
 
 def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, block_table_ptr,
                       stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_bt,
-                      scale, num_heads,
+                      scale, v_scale, num_heads,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                       NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-                      WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                      WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FMT: tl.constexpr, FROM_FP8: tl.constexpr):
     tile, seq = tl.program_id(0), tl.program_id(1)
     kv_head, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
     q_start = tl.load(cu_q_ptr + seq)
@@ -92,6 +96,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
                     mask=key_mask[None, :] & dim_mask[:, None], other=0.0)
         v = tl.load(v_ptr + key_row[:, None] * stride_v_t + kv_head * stride_v_h + dims[None, :],
                     mask=key_mask[:, None] & dim_mask[None, :], other=0.0)
+        if FMT:  # fp8 codes: exact in q's dtype
+            k, v = FROM_FP8(k, FMT).to(q.dtype), FROM_FP8(v, FMT).to(q.dtype)
         allowed = key_mask[None, :]
         if CAUSAL:
             allowed = allowed & (pos[None, :] <= query_pos[:, None])
@@ -108,7 +114,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row with no keys (a padded decode row) gives 0
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]  # a row with no keys (a padded decode row) gives 0
     if NUM_SPLITS == 1:
         tl.store(out_ptr + (token * num_heads + head)[:, None] * HEAD_DIM + dims[None, :], out,
                  mask=row_mask[:, None] & dim_mask[None, :])
@@ -145,8 +151,11 @@ def tile_sizes(rows: int, head_dim: int, itemsize: int) -> tuple[int, int, int]:
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, block_table,
-               window_size, softcap, num_splits=1):
+               window_size, softcap, k_descale, v_descale, num_splits=1):
     """Launch ``_attention_kernel`` over q ``[num_tokens, H, D]`` (the last dimension contiguous)."""
+    fmt = fp8_format(k.dtype)
+    if fmt:  # read as bytes: Triton's own e4m3 type needs sm_89
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
     num_tokens, num_heads, head_dim = q.shape
     left = window_left(window_size, causal)
     num_kv_heads = k.shape[-2]
@@ -168,10 +177,10 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
     grid = (triton.cdiv(max_seqlen_q * group, block_m), num_seqs, num_kv_heads * num_splits)
     jit(_attention_kernel)[grid](
         q, k, v, parts, lse, cu_seqlens_q, cu_seqlens_k, block_table, q.stride(0), q.stride(1), *stride_k,
-        *stride_v, stride_bt, (softmax_scale or head_dim ** -0.5) * LOG2E, num_heads,
+        *stride_v, stride_bt, (softmax_scale or head_dim ** -0.5) * LOG2E * k_descale, v_descale, num_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
         NUM_SPLITS=num_splits, CAUSAL=causal, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WINDOW=left, SOFTCAP=softcap * LOG2E)
+        WINDOW=left, SOFTCAP=softcap * LOG2E, FMT=fmt, FROM_FP8=jit(from_fp8) if fmt else None)
     if num_splits > 1:
         jit(_merge_kernel)[(num_tokens * num_heads,)](parts, lse, out, HEAD_DIM=head_dim, BLOCK_D=block_d,
                                                       NUM_SPLITS=num_splits)
@@ -180,11 +189,11 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
 
 def flash_attn_varlen_func_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   softmax_scale=None, causal=False, block_table=None, window_size=(-1, -1),
-                                  softcap=0.0):
+                                  softcap=0.0, k_descale=1.0, v_descale=1.0):
     """flash-attn's ``flash_attn_varlen_func``: packed sequences; k and v packed like q, or the paged
     caches read through ``block_table`` (then each sequence's keys start in the cache)."""
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, block_table,
-                      window_size, softcap)
+                      window_size, softcap, k_descale, v_descale)
 
 
 @functools.cache
@@ -203,7 +212,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_keys: int, device: torc
 
 
 def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,
-                                   causal=False, window_size=(-1, -1), softcap=0.0):
+                                   causal=False, window_size=(-1, -1), softcap=0.0, k_descale=1.0, v_descale=1.0):
     """flash-attn's ``flash_attn_with_kvcache`` for decode: q ``[batch, 1, H, D]``, sequence b's keys
     the first ``cache_seqlens[b]`` slots of its blocks; a row of length 0 (a padded row) gives zeros."""
     batch, seqlen_q = q.shape[:2]
@@ -215,5 +224,5 @@ def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_tab
     torch.cumsum(cache_seqlens, 0, out=cu_k[1:])
     num_splits = decode_num_splits(batch, k_cache.shape[2], block_table.shape[1] * k_cache.shape[1], q.device)
     out = _attention(q[:, 0], k_cache, v_cache, cu_q, cu_k, 1, softmax_scale, causal, block_table, window_size,
-                     softcap, num_splits)
+                     softcap, k_descale, v_descale, num_splits)
     return out.unsqueeze(1)

@@ -162,6 +162,7 @@ def test_sampling_params_list_must_match_prompts(llm):
     ({"dtype": "float16", "quantization": "int8"}, "quantization='int8' needs dtype"),  # the kernel takes bf16/fp32
     ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization"), ({"max_num_seqs": True}, "max_num_seqs"),
     ({"kvcache_block_size": True}, "kvcache_block_size"), ({"seed": "1"}, "seed"), ({"seed": True}, "seed"),
+    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
 ])
 def test_bad_engine_options_raise_value_error(tiny_models, kwargs, match):
     with pytest.raises(ValueError, match=match):

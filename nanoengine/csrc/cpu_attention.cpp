@@ -18,8 +18,11 @@
 // nanoengine/cpu_library.py compiles this file on first use, for one head size (HEAD_DIM), and
 // cpu_kernels.py calls it through ctypes, having checked every argument's dtype and shape; each
 // entry point checks the values of its index arguments itself, before following any, and returns
-// an error code (0: done). T is bfloat16 (as its bits) or float. Layouts (all contiguous):
-//   k/v_cache     T [num_blocks, block_size, num_kv_heads, HEAD_DIM]
+// an error code (0: done). T is bfloat16 (as its bits) or float; Cache, the cache's type, is T or, for an
+// 8-bit cache (kv_cache_dtype.py), fp8_e4m3 or fp8_e5m2 (cpu_fp8.h), the generic code's case only.
+// An 8-bit cache's k_scale is folded into the softmax scale by the caller, and its v_scale into each
+// output (v_scale, 1 for other caches). Layouts (all contiguous):
+//   k/v_cache     Cache [num_blocks, block_size, num_kv_heads, HEAD_DIM]
 //   block_table   int32 [batch, max_blocks];  seqlens int32 [batch]: each sequence's cached tokens
 //   decode        q, out T [batch, num_heads, HEAD_DIM]
 //   prefill       q, out T [num_tokens, num_heads, HEAD_DIM], sequence b's queries at rows
@@ -40,6 +43,7 @@
 
 #include "cpu_amx.h"
 #include "cpu_bfloat16.h"
+#include "cpu_fp8.h"
 #include "cpu_graph.h"
 
 constexpr int D = HEAD_DIM;
@@ -121,6 +125,25 @@ extern "C" int store_kvcache(const char* key, const char* value, int64_t key_str
   return 0;
 }
 
+// store_kvcache into an 8-bit cache: each value times its inverse scale, encoded (cpu_fp8.h); the
+// strides and row (num_kv_heads * HEAD_DIM) are in values.
+template <typename T, typename Cache>
+static int store_kvcache_fp8(const T* key, const T* value, int64_t key_stride, int64_t value_stride, Cache* k_cache,
+                             Cache* v_cache, const int64_t* slot_mapping, int num_tokens, int64_t num_slots,
+                             int64_t row, float k_inverse_scale, float v_inverse_scale, int num_threads) {
+  for (int i = 0; i < num_tokens; i++)
+    if (slot_mapping[i] < -1 || slot_mapping[i] >= num_slots) return BAD_SLOT;
+#pragma omp parallel for num_threads(num_threads) if (num_tokens * row >= (1 << 18))
+  for (int i = 0; i < num_tokens; i++) {
+    if (slot_mapping[i] < 0) continue;
+    for (int64_t j = 0; j < row; j++) {
+      store(to_float(key[i * key_stride + j]) * k_inverse_scale, k_cache + slot_mapping[i] * row + j);
+      store(to_float(value[i * value_stride + j]) * v_inverse_scale, v_cache + slot_mapping[i] * row + j);
+    }
+  }
+  return 0;
+}
+
 // BAD_BLOCK unless every entry of block_table [batch, max_blocks] names a block of the cache.
 static int check_block_table(const int32_t* block_table, int batch, int max_blocks, int num_blocks) {
   for (size_t i = 0; i < size_t(batch) * max_blocks; i++)
@@ -134,7 +157,8 @@ static inline ValueVec load(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-static inline ValueVec load(const uint16_t* p) {
+template <typename Cache>  // bfloat16, or an fp8 code
+static inline ValueVec load(const Cache* p) {
   ValueVec v;
   for (int lane = 0; lane < LANES; lane++) v[lane] = to_float(p[lane]);
   return v;
@@ -163,10 +187,10 @@ static inline ValueVec sum_each(ValueVec* v) {
 // in registers over the chunk. Against plain loops over d, which the compiler left with a
 // horizontal sum per score and the sums in memory: batch 1, 192 tokens, 30 layers, 1.72 -> 1.39 ms.
 // Keys before `first` (left of a sliding window) get probability 0.
-template <typename T, typename O>
-static void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int seqlen, int block_size,
-                   int num_heads, int num_kv_heads, size_t slot_size, float scale, int first, float softcap,
-                   std::vector<float>& scores, O* out, float* lse = nullptr) {
+template <typename T, typename Cache, typename O>
+static void attend(const T* q, const Cache* k_cache, const Cache* v_cache, const int32_t* blocks, int seqlen,
+                   int block_size, int num_heads, int num_kv_heads, size_t slot_size, float scale, int first,
+                   float softcap, float v_scale, std::vector<float>& scores, O* out, float* lse = nullptr) {
   constexpr int C = D / LANES;  // vectors per head
   const int group = num_heads / num_kv_heads, padded = (seqlen + LANES - 1) / LANES * LANES;
   const size_t row_size = size_t(num_kv_heads) * D;
@@ -176,9 +200,9 @@ static void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t
   scores.resize(size_t(num_heads) * padded);
   // Calls fn(t0, n, rows) for each chunk: tokens t0 .. t0 + n - 1, rows[j] pointing at token t0 + j's
   // cache row; rows past n repeat the last, so that reading them stays in bounds.
-  auto for_each_chunk = [&](const T* cache, auto fn) {
-    const T* rows[LANES];
-    for_each_token(cache, blocks, seqlen, block_size, slot_size, row_size, [&](int t, const T* row) {
+  auto for_each_chunk = [&](const Cache* cache, auto fn) {
+    const Cache* rows[LANES];
+    for_each_token(cache, blocks, seqlen, block_size, slot_size, row_size, [&](int t, const Cache* row) {
       rows[t % LANES] = row;
       if (t % LANES == LANES - 1 || t == seqlen - 1) {
         std::fill(rows + t % LANES + 1, rows + LANES, row);
@@ -186,7 +210,7 @@ static void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t
       }
     });
   };
-  for_each_chunk(k_cache, [&](int t0, int, const T* const* rows) {
+  for_each_chunk(k_cache, [&](int t0, int, const Cache* const* rows) {
     for (int g = 0; g < num_heads; g++) {
       const int kv = g / group * D;
       ValueVec dots[LANES];
@@ -201,10 +225,10 @@ static void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t
   for (int g = 0; g < num_heads; g++) {
     float max;
     const float sum = softmax_in_place(&scores[size_t(g) * padded], first, seqlen, softcap, max);
-    inverse_sum[g] = 1.f / sum;
+    inverse_sum[g] = v_scale / sum;
     if (lse) lse[g] = max + std::log(sum);  // the log of the softmax's denominator
   }
-  for_each_chunk(v_cache, [&](int t0, int n, const T* const* rows) {
+  for_each_chunk(v_cache, [&](int t0, int n, const Cache* const* rows) {
     for (int g = 0; g < num_heads; g++) {
       const int kv = g / group * D;
       ValueVec sums[C];
@@ -291,12 +315,12 @@ struct ChunkPrefetch {
 
 static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* blocks,
                    int seqlen, int block_size, int num_heads, int num_kv_heads, size_t slot_size, float scale,
-                   int first, float softcap, std::vector<float>& scores, uint16_t* out) {
+                   int first, float softcap, float v_scale, std::vector<float>& scores, uint16_t* out) {
   constexpr int C = D / 32;  // vectors of 32 bfloat16 per head
   constexpr int MAX_HEADS = 64;
   if (num_heads > MAX_HEADS)
-    return attend<uint16_t>(q, k_cache, v_cache, blocks, seqlen, block_size, num_heads, num_kv_heads, slot_size,
-                            scale, first, softcap, scores, out);
+    return attend<uint16_t, uint16_t>(q, k_cache, v_cache, blocks, seqlen, block_size, num_heads, num_kv_heads,
+                                      slot_size, scale, first, softcap, v_scale, scores, out);
   const int group = num_heads / num_kv_heads, padded = (seqlen + 15) / 16 * 16;
   const size_t row_size = size_t(num_kv_heads) * D;
   thread_local std::vector<uint16_t> probs_buffer;
@@ -336,7 +360,7 @@ static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
     float max;
     const float sum = softmax_in_place(s, first, seqlen, softcap, max);
     std::fill(s + seqlen, s + padded, 0.f);
-    inverse_sum[g] = 1.f / sum;
+    inverse_sum[g] = v_scale / sum;
     std::fill(acc[g], acc[g] + 2 * C, _mm512_setzero_ps());
     for (int t = 0; t < padded; t += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(&probs[size_t(g) * padded + t]),
@@ -395,10 +419,11 @@ static void attend(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
 // against beside one other request); a task per kv head computes exactly what the whole does. It
 // is faster too, since splits take the generic code: batch 1, 30 layers, 2 threads with
 // AVX512-BF16, 192 tokens 0.73-0.81 -> 0.59-0.63 ms, 1,024 tokens 1.98-2.12 -> 1.42-1.51 ms.
-template <typename T>
-static int decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
+template <typename T, typename Cache>
+static int decode(const T* q, int64_t q_stride, const Cache* k_cache, const Cache* v_cache, const int32_t* block_table,
                   const int32_t* seqlens, T* out, int batch, int max_blocks, int num_blocks, int block_size,
-                  int num_heads, int num_kv_heads, float scale, int window_left, float softcap, int num_threads) {
+                  int num_heads, int num_kv_heads, float scale, int window_left, float softcap, float v_scale,
+                  int num_threads) {
   if (int error = check_block_table(block_table, batch, max_blocks, num_blocks)) return error;
   for (int i = 0; i < batch; i++)
     if (seqlens[i] < 0 || seqlens[i] > int64_t(max_blocks) * block_size) return BAD_SEQLEN;
@@ -418,8 +443,8 @@ static int decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
 #pragma omp for schedule(dynamic)
     for (int task = 0; task < batch * parts * splits; task++) {
       const int i = task / (parts * splits), part = task / splits % parts, split = task % splits;
-      const T *qh = q + i * q_stride + part * heads * D, *k = k_cache + part * kv_heads * D;
-      const T* v = v_cache + part * kv_heads * D;
+      const T* qh = q + i * q_stride + part * heads * D;
+      const Cache *k = k_cache + part * kv_heads * D, *v = v_cache + part * kv_heads * D;
       const int32_t* blocks = block_table + size_t(i) * max_blocks;
       const size_t slot_size = size_t(num_kv_heads) * D;
       const int window_first = first_key(seqlens[i] - 1, window_left);  // the query sits at the last key
@@ -429,7 +454,7 @@ static int decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
           std::fill(o, o + heads * D, T(0));
         else
           attend(qh, k, v, blocks, seqlens[i], block_size, heads, kv_heads, slot_size, scale, window_first, softcap,
-                 scores, o);
+                 v_scale, scores, o);
         continue;
       }
       const int split_blocks = ((seqlens[i] + block_size - 1) / block_size + splits - 1) / splits;
@@ -438,7 +463,7 @@ static int decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
       if (first >= seqlens[i] || first + length <= window_first) continue;  // no keys, or all left of the window
       const size_t row = (size_t(i) * splits + split) * num_heads + part * heads;
       attend(qh, k, v, blocks + split * split_blocks, length, block_size, heads, kv_heads, slot_size, scale,
-             std::max(0, window_first - first), softcap, scores, &split_out[row * D], &split_lse[row]);
+             std::max(0, window_first - first), softcap, v_scale, scores, &split_out[row * D], &split_lse[row]);
     }
   }
   for (int i = 0; i < batch && splits > 1; i++)
@@ -459,21 +484,22 @@ static int decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
 
 // Prefill: the queries of one sequence that share one kv head, against that head's keys. Its rows
 // are (query i, head g of the kv head's group), i-major, so every row of a tile reads the same keys.
-template <typename T>
-static void prefill_head(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* blocks,
-                         int q_start, int lq, int seqlen, int block_size, int num_heads, int num_kv_heads, float scale,
-                         bool causal, int window_left, float softcap, int kv_head, T* out, std::vector<float>& keys,
-                         std::vector<float>& values, std::vector<float>& scores) {
+template <typename T, typename Cache>
+static void prefill_head(const T* q, int64_t q_stride, const Cache* k_cache, const Cache* v_cache,
+                         const int32_t* blocks, int q_start, int lq, int seqlen, int block_size, int num_heads,
+                         int num_kv_heads, float scale, bool causal, int window_left, float softcap, float v_scale,
+                         int kv_head, T* out,
+                         std::vector<float>& keys, std::vector<float>& values, std::vector<float>& scores) {
   const int group = num_heads / num_kv_heads;
   const int padded = (seqlen + KEYS - 1) / KEYS * KEYS;
   keys.assign(size_t(padded) * D, 0.f);  // blocks of KEYS keys, each transposed: [padded / KEYS][D][KEYS]
   values.resize(size_t(padded) * D);     // [padded][D]
   scores.resize(size_t(ROWS) * padded);
   const size_t slot_size = size_t(num_kv_heads) * D;
-  for_each_token(k_cache + kv_head * D, blocks, seqlen, block_size, slot_size, D, [&](int t, const T* k) {
+  for_each_token(k_cache + kv_head * D, blocks, seqlen, block_size, slot_size, D, [&](int t, const Cache* k) {
     for (int d = 0; d < D; d++) keys[(size_t(t / KEYS) * D + d) * KEYS + t % KEYS] = to_float(k[d]);
   });
-  for_each_token(v_cache + kv_head * D, blocks, seqlen, block_size, slot_size, D, [&](int t, const T* v) {
+  for_each_token(v_cache + kv_head * D, blocks, seqlen, block_size, slot_size, D, [&](int t, const Cache* v) {
     for (int d = 0; d < D; d++) values[size_t(t) * D + d] = to_float(v[d]);
   });
   for (int row0 = 0; row0 < lq * group; row0 += ROWS) {
@@ -514,7 +540,7 @@ static void prefill_head(const T* q, int64_t q_stride, const T* k_cache, const T
       alignas(64) float o[D];
       std::memcpy(o, acc, sizeof o);
       const int row = row0 + r, i = row / group, head = kv_head * group + row % group;
-      for (int d = 0; d < D; d++) store(o[d] / sum, out + (size_t(q_start + i) * num_heads + head) * D + d);
+      for (int d = 0; d < D; d++) store(o[d] / sum * v_scale, out + (size_t(q_start + i) * num_heads + head) * D + d);
     }
   }
 }
@@ -679,11 +705,11 @@ static void prefill_head_amx(const uint16_t* q, int64_t q_stride, const uint16_t
 // A sequence with one query (a decode row of a chunked-prefill step, or a prompt whose only new
 // token follows a cached prefix) is attended as decode attends: converting its keys and values
 // for one row of queries took 1.4x as long (40 such rows of 200 keys, 1.1 against 0.8 ms a layer).
-template <typename T>
-static int prefill(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
+template <typename T, typename Cache>
+static int prefill(const T* q, int64_t q_stride, const Cache* k_cache, const Cache* v_cache, const int32_t* block_table,
                    const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, T* out, int batch, int num_tokens,
                    int max_blocks, int num_blocks, int block_size, int num_heads, int num_kv_heads, float scale,
-                   int causal, int window_left, float softcap, int num_threads) {
+                   int causal, int window_left, float softcap, float v_scale, int num_threads) {
   if (cu_seqlens_q[0] != 0 || cu_seqlens_q[batch] != num_tokens || cu_seqlens_k[0] != 0) return BAD_CU_SEQLENS_Q;
   for (int b = 0; b < batch; b++) {
     const int64_t lq = int64_t(cu_seqlens_q[b + 1]) - cu_seqlens_q[b];
@@ -709,11 +735,11 @@ static int prefill(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
         const int32_t* blocks = block_table + size_t(b) * max_blocks;
         if (lq == 1)
           attend(q + q_start * q_stride + h * group * D, k_cache + h * D, v_cache + h * D, blocks, lk, block_size,
-                 group, 1, size_t(num_kv_heads) * D, scale, first_key(lk - 1, window_left), softcap, scores,
-                 out + (size_t(q_start) * num_heads + h * group) * D);
+                 group, 1, size_t(num_kv_heads) * D, scale, first_key(lk - 1, window_left), softcap, v_scale,
+                 scores, out + (size_t(q_start) * num_heads + h * group) * D);
         else {
 #ifdef AMX_PREFILL
-          if constexpr (std::is_same_v<T, uint16_t>)
+          if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<Cache, uint16_t>)
             if (amx) {
               prefill_head_amx(q, q_stride, k_cache, v_cache, blocks, q_start, lq, lk, block_size, num_heads,
                                num_kv_heads, scale, causal, h, out, scratch);
@@ -721,7 +747,7 @@ static int prefill(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
             }
 #endif
           prefill_head(q, q_stride, k_cache, v_cache, blocks, q_start, lq, lk, block_size, num_heads, num_kv_heads,
-                       scale, causal, window_left, softcap, h, out, keys, values, scores);
+                       scale, causal, window_left, softcap, v_scale, h, out, keys, values, scores);
         }
       }
 #ifdef AMX_PREFILL
@@ -731,44 +757,43 @@ static int prefill(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
   return 0;
 }
 
-// The entry points ctypes calls: each kernel for bfloat16 (T = uint16_t) and for float32.
-extern "C" {
-int decode_bfloat16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache, const uint16_t* v_cache,
-                    const int32_t* block_table, const int32_t* seqlens, uint16_t* out, int batch, int max_blocks,
-                    int num_blocks, int block_size, int num_heads, int num_kv_heads, float scale, int window_left,
-                    float softcap, int num_threads) {
-  return decode(q, q_stride, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, num_blocks, block_size,
-                num_heads, num_kv_heads, scale, window_left, softcap, num_threads);
-}
-int decode_float32(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
-                   const int32_t* block_table, const int32_t* seqlens, float* out, int batch, int max_blocks,
-                   int num_blocks, int block_size, int num_heads, int num_kv_heads, float scale, int window_left,
-                   float softcap, int num_threads) {
-  return decode(q, q_stride, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, num_blocks, block_size,
-                num_heads, num_kv_heads, scale, window_left, softcap, num_threads);
-}
-int prefill_bfloat16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache, const uint16_t* v_cache,
-                     const int32_t* block_table, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
-                     uint16_t* out, int batch, int num_tokens, int max_blocks, int num_blocks, int block_size,
-                     int num_heads, int num_kv_heads, float scale, int causal, int window_left, float softcap,
-                     int num_threads) {
-  return prefill(q, q_stride, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, out, batch, num_tokens,
-                 max_blocks, num_blocks, block_size, num_heads, num_kv_heads, scale, causal, window_left, softcap,
-                 num_threads);
-}
-int prefill_float32(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
-                    const int32_t* block_table, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, float* out,
-                    int batch, int num_tokens, int max_blocks, int num_blocks, int block_size, int num_heads,
-                    int num_kv_heads, float scale, int causal, int window_left, float softcap, int num_threads) {
-  return prefill(q, q_stride, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, out, batch, num_tokens,
-                 max_blocks, num_blocks, block_size, num_heads, num_kv_heads, scale, causal, window_left, softcap,
-                 num_threads);
-}
-}
+// The entry points ctypes calls, each with its twin for a CPU graph's replay (cpu_graph.h): each
+// kernel for bfloat16 (T = uint16_t) and float32, over a cache of the same type or of fp8 codes
+// (named for both: decode_bfloat16_fp8_e4m3, and store_kvcache_bfloat16_fp8_e4m3 to write one).
+#define ATTENTION_ENTRY_POINTS(NAME, T, C)                                                                         \
+  extern "C" int decode_##NAME(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache,                  \
+                               const int32_t* block_table, const int32_t* seqlens, T* out, int batch,              \
+                               int max_blocks, int num_blocks, int block_size, int num_heads, int num_kv_heads,    \
+                               float scale, int window_left, float softcap, float v_scale, int num_threads) {      \
+    return decode(q, q_stride, k_cache, v_cache, block_table, seqlens, out, batch, max_blocks, num_blocks,        \
+                  block_size, num_heads, num_kv_heads, scale, window_left, softcap, v_scale, num_threads);          \
+  }                                                                                                                \
+  extern "C" int prefill_##NAME(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache,                 \
+                                const int32_t* block_table, const int32_t* cu_seqlens_q,                           \
+                                const int32_t* cu_seqlens_k, T* out, int batch, int num_tokens, int max_blocks,   \
+                                int num_blocks, int block_size, int num_heads, int num_kv_heads, float scale,      \
+                                int causal, int window_left, float softcap, float v_scale, int num_threads) {      \
+    return prefill(q, q_stride, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, out, batch,            \
+                   num_tokens, max_blocks, num_blocks, block_size, num_heads, num_kv_heads, scale, causal,         \
+                   window_left, softcap, v_scale, num_threads);                                                    \
+  }                                                                                                                \
+  REPLAYABLE(decode_##NAME)                                                                                        \
+  REPLAYABLE(prefill_##NAME)
+#define FP8_ENTRY_POINTS(NAME, T, C)                                                                               \
+  ATTENTION_ENTRY_POINTS(NAME, T, C)                                                                               \
+  extern "C" int store_kvcache_##NAME(const T* key, const T* value, int64_t key_stride, int64_t value_stride,     \
+                                      C* k_cache, C* v_cache, const int64_t* slot_mapping, int num_tokens,         \
+                                      int64_t num_slots, int64_t row, float k_inverse_scale,                       \
+                                      float v_inverse_scale, int num_threads) {                                    \
+    return store_kvcache_fp8(key, value, key_stride, value_stride, k_cache, v_cache, slot_mapping, num_tokens,    \
+                             num_slots, row, k_inverse_scale, v_inverse_scale, num_threads);                      \
+  }                                                                                                                \
+  REPLAYABLE(store_kvcache_##NAME)
 
-// Each entry point's twin for a CPU graph's replay (cpu_graph.h).
 REPLAYABLE(store_kvcache)
-REPLAYABLE(decode_bfloat16)
-REPLAYABLE(decode_float32)
-REPLAYABLE(prefill_bfloat16)
-REPLAYABLE(prefill_float32)
+ATTENTION_ENTRY_POINTS(bfloat16, uint16_t, uint16_t)
+ATTENTION_ENTRY_POINTS(float32, float, float)
+FP8_ENTRY_POINTS(bfloat16_fp8_e4m3, uint16_t, fp8_e4m3)
+FP8_ENTRY_POINTS(bfloat16_fp8_e5m2, uint16_t, fp8_e5m2)
+FP8_ENTRY_POINTS(float32_fp8_e4m3, float, fp8_e4m3)
+FP8_ENTRY_POINTS(float32_fp8_e5m2, float, fp8_e5m2)

@@ -26,6 +26,23 @@ holds first gets a copy of it (copy on write: ``may_append`` returns the copy fo
 runner to make before the step). Copying one block costs a memory copy; recomputing the prompt's
 partial tail instead would cost each child a prefill of up to ``block_size - 1`` tokens, and the
 prompt would no longer be computed once.
+
+Sliding windows (vLLM V1's sliding-window manager): when every layer of the model slides, a query
+at position p reads only the keys ``p - sliding_window + 1 .. p``. Once a step has computed a
+sequence's first ``num_computed_tokens`` tokens, no query of that step's successors reads a key
+before ``num_computed_tokens - sliding_window + 1``, so the blocks wholly before it go back to the
+pool (``remove_skipped_blocks``, after each completed step): the sequence drops its reference, and
+a block nobody else holds becomes free with its hash kept, so a later prompt with the same prefix is
+still served from it until the pool hands it out again. The released entries of the block table
+point at the *null block*, block 0, which such a manager reserves: never handed out, never written,
+so ``t // block_size`` still indexes the table and a kernel that looks at an entry the window hides
+(as it looks at a padded row's) reads zeros it masks out. A prefix-cache hit walks the chain from
+block 0, so a chain one of whose blocks was handed out again ends there.
+
+A hybrid model (Gemma 2's alternating layers, Gemma 3's five sliding in six) keeps every block: its
+full-attention layers read every key through the same block table. vLLM's hybrid KV cache manager
+splits the layers into KV cache groups, each with its own block table and manager, so that the
+sliding group releases while the full group keeps; nanoengine has one table per sequence for now.
 """
 
 from array import array
@@ -34,6 +51,8 @@ from collections import OrderedDict
 import xxhash
 
 from nanoengine.sequence import Sequence
+
+NULL_BLOCK_ID = 0  # with a sliding window: what a released block table entry points at
 
 
 def compute_block_hash(token_ids: list[int], prefix_hash: int) -> int:
@@ -54,14 +73,21 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # The window every layer slides with (None: some layer reads every key), and then the null
+        # block's id, reserved; -1, which no table holds, otherwise.
+        self.sliding_window = sliding_window
+        self.null_block_id = NULL_BLOCK_ID if sliding_window is not None else -1
+        self.num_window_freed_blocks = 0  # references dropped by remove_skipped_blocks, all told
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         # Free blocks in the order they were freed: the front is reused first, so the blocks
         # freed longest ago lose their cached contents first (LRU eviction).
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(
+            i for i in range(num_blocks) if i != self.null_block_id)
         # Registered by ``allocate`` in this step, K/V not yet written: the promises.
         self.promised_block_ids: set[int] = set()
 
@@ -71,7 +97,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self.blocks) - len(self.free_block_ids)
+        return len(self.blocks) - len(self.free_block_ids) - (self.null_block_id != -1)
 
     # -- prefill ------------------------------------------------------------------------------
 
@@ -129,13 +155,8 @@ class BlockManager:
     def deallocate(self, seq: Sequence) -> None:
         # Tail blocks first, so a prompt's later blocks are evicted before its shared start.
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block_id in self.promised_block_ids:  # its step never wrote it
-                    self.promised_block_ids.remove(block_id)
-                    self._unregister(block)
-                self.free_block_ids[block_id] = None
+            if block_id != self.null_block_id:  # else released already, by the window
+                self._release(block_id)
         seq.block_table = []
         seq.num_cached_tokens = seq.num_computed_tokens = 0
 
@@ -143,7 +164,8 @@ class BlockManager:
         """A child of ``parent`` for sample ``sample_index``, sharing every block of its table."""
         child = parent.fork(sample_index)
         for block_id in child.block_table:
-            self.blocks[block_id].ref_count += 1
+            if block_id != self.null_block_id:
+                self.blocks[block_id].ref_count += 1
         return child
 
     # -- decode (and speculative lookahead) ---------------------------------------------------
@@ -190,18 +212,38 @@ class BlockManager:
     def cache_full_blocks(self, seq: Sequence) -> None:
         """After a completed step: the K/V of the first ``seq.num_computed_tokens`` tokens are in
         the cache. Promised blocks are kept, and every full block the step wrote that is not
-        registered yet (a decode's block, a later chunk's) is registered now."""
-        if not self.enable_prefix_caching:
-            return
+        registered yet (a decode's block, a later chunk's) is registered now; then, with a sliding
+        window, the blocks it has left are released (registered first, so their hashes stay)."""
+        if self.enable_prefix_caching:
+            self._register_computed_blocks(seq)
+        if self.sliding_window is not None:
+            self.remove_skipped_blocks(seq)
+
+    def _register_computed_blocks(self, seq: Sequence) -> None:
         if self.promised_block_ids:  # only after an admission step
             self.promised_block_ids.difference_update(seq.block_table)
-        # Blocks are registered in order, so the unregistered full ones are the last few.
+        # Blocks are registered in order, so the unregistered full ones are the last few (and every
+        # released one was registered before it was released).
         first = last = seq.num_computed_tokens // self.block_size
-        while first > 0 and self.blocks[seq.block_table[first - 1]].hash == -1:
+        while first > 0 and seq.block_table[first - 1] != self.null_block_id \
+                and self.blocks[seq.block_table[first - 1]].hash == -1:
             first -= 1
         for i in range(first, last):
             prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
             self._register(self.blocks[seq.block_table[i]], seq.block(i), prev)
+
+    def remove_skipped_blocks(self, seq: Sequence) -> None:
+        """Release the blocks no query of ``seq`` reads any more (vLLM's name): the next token to
+        compute, at ``num_computed_tokens``, sees ``sliding_window - 1`` keys before it and later
+        tokens none older, so every block wholly before the first of those keys is dropped and its
+        entry points at the null block. Newest first, as ``deallocate`` frees."""
+        num_skipped_tokens = max(0, seq.num_computed_tokens - self.sliding_window + 1)
+        for i in reversed(range(num_skipped_tokens // self.block_size)):
+            if seq.block_table[i] == self.null_block_id:
+                break  # released by an earlier step, and so is every entry before it
+            self._release(seq.block_table[i])
+            seq.block_table[i] = self.null_block_id
+            self.num_window_freed_blocks += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's ``reset_prefix_cache``, for benchmarks that must start
@@ -214,6 +256,16 @@ class BlockManager:
         return True
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference to a block; at none it is free, its hash kept unless only promised."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block_id in self.promised_block_ids:  # its step never wrote it
+                self.promised_block_ids.remove(block_id)
+                self._unregister(block)
+            self.free_block_ids[block_id] = None
 
     def _take_free_block(self) -> Block:
         block_id, _ = self.free_block_ids.popitem(last=False)

@@ -79,7 +79,7 @@ class LLMEngine:
         config.fit_to_kvcache(self.model_runner.num_kvcache_blocks, self.model_runner.block_size)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, config.max_model_len)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.model_runner.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, self.model_runner.model.spec.kv_sliding_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, eos_token_ids, config.enable_chunked_prefill)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids)
@@ -278,6 +278,8 @@ class LLMEngine:
             "num_requests_waiting": len({seq.request_id for seq in self.scheduler.waiting} - running),
             "num_kvcache_blocks": len(self.block_manager.blocks),
             "kvcache_blocks_in_use": self.block_manager.num_used_blocks,
+            # Blocks a sliding window left behind, released while their sequences went on (block_manager.py).
+            "kvcache_blocks_freed_by_window": self.block_manager.num_window_freed_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_tokens": self.scheduler.prefix_cache_hit_tokens,
             **{f"spec_decode_{name}": count for name, count in self.scheduler.spec_decode_counts.items()},

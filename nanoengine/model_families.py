@@ -53,6 +53,14 @@ class FamilySpec:
     attn_scale: float | None = None  # the softmax scale; None: head_dim ** -0.5
     fused_checkpoint: bool = False  # the checkpoint holds qkv_proj and gate_up_proj whole (Phi-3)
 
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window no layer reads a key before (the largest of the layers'), if every layer slides:
+        the block manager then releases the blocks that fall out of it. None when a layer reads
+        every key (Llama's, and the full layers of a hybrid such as Gemma 2 and 3)."""
+        windows = [layer.sliding_window for layer in self.layers]
+        return None if None in windows else max(windows)
+
 
 def check_rope(config: PretrainedConfig, rope: dict, field: str) -> dict:
     """``rope`` (a ``rope_parameters``) if nanoengine runs its type; for "longrope", completed as HF

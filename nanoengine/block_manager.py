@@ -123,29 +123,34 @@ class BlockManager:
     def num_cached_tokens(self, seq: Sequence) -> int:
         return len(self._cached_prefix(seq)) * self.block_size
 
-    def can_allocate(self, seq: Sequence) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
         hits = self._cached_prefix(seq)
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # free now, taken back
-        return seq.num_blocks - len(hits) + revived <= self.num_free_blocks
+        skipped = self._num_skipped_blocks(len(hits) * self.block_size)
+        revived = sum(1 for b in hits[skipped:] if self.blocks[b].ref_count == 0)  # free now, taken back
+        num_blocks = self._num_allocated_blocks(seq, len(hits) * self.block_size, num_new_tokens)
+        return num_blocks - len(hits) + revived <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> None:
         """Give a waiting sequence its block table for all its tokens: cached blocks first, fresh
         ones after. Its first step computes ``num_new_tokens`` past the cached ones (all of them
         if None; fewer when chunked prefill splits the prompt); the full blocks that step writes
-        are registered right away, as promises (see the module docstring).
+        are registered right away, as promises (see the module docstring). With a sliding window
+        the cached blocks wholly before the first step's window are not taken back (their entries
+        are the null block's), and the table ends with the first step's tokens.
         """
         assert not seq.block_table
         hits = self._cached_prefix(seq)
-        for block_id in hits:
+        skipped = self._num_skipped_blocks(len(hits) * self.block_size)
+        for block_id in hits[skipped:]:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_block_ids[block_id]
             block.ref_count += 1
-        seq.block_table = list(hits)
+        seq.block_table = [self.null_block_id] * skipped + hits[skipped:]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         first_step_end = seq.num_tokens if num_new_tokens is None else seq.num_cached_tokens + num_new_tokens
         prefix_hash = self.blocks[hits[-1]].hash if hits else -1
-        for i in range(len(hits), seq.num_blocks):
+        for i in range(len(hits), self._num_allocated_blocks(seq, seq.num_cached_tokens, num_new_tokens)):
             block = self._take_free_block()
             seq.block_table.append(block.block_id)
             if self.enable_prefix_caching and (i + 1) * self.block_size <= first_step_end:
@@ -170,29 +175,34 @@ class BlockManager:
 
     # -- decode (and speculative lookahead) ---------------------------------------------------
 
-    def _num_new_blocks(self, seq: Sequence, num_lookahead_slots: int) -> int:
-        """Blocks the next step needs: for the newest token's slot and ``num_lookahead_slots`` after
-        it (speculative drafts), plus a copy of the last block if the newest token lands in a block
-        a forked sibling still holds."""
-        needed = -(-(seq.num_tokens + num_lookahead_slots) // self.block_size) - len(seq.block_table)
+    def _num_new_blocks(self, seq: Sequence, num_lookahead_slots: int, num_new_tokens: int | None) -> int:
+        """Blocks the next step needs: for the slots of its tokens (through the newest, or
+        ``num_new_tokens`` past the computed ones: a prompt chunk) and ``num_lookahead_slots`` after
+        them (speculative drafts), plus a copy of the last block if the newest token lands in a
+        block a forked sibling still holds."""
+        end = seq.num_tokens if num_new_tokens is None else seq.num_computed_tokens + num_new_tokens
+        needed = max(0, -(-(end + num_lookahead_slots) // self.block_size) - len(seq.block_table))
         writes_shared = len(seq.block_table) == seq.num_blocks and self.blocks[seq.block_table[-1]].ref_count > 1
         return needed + writes_shared
 
-    def can_append(self, seq: Sequence, num_lookahead_slots: int = 0) -> bool:
-        """Whether the slots for the sequence's newest token (and the lookahead) can be found or made."""
-        return self._num_new_blocks(seq, num_lookahead_slots) <= self.num_free_blocks
+    def can_append(self, seq: Sequence, num_lookahead_slots: int = 0, num_new_tokens: int | None = None) -> bool:
+        """Whether the slots for the sequence's next tokens (and the lookahead) can be found or made."""
+        return self._num_new_blocks(seq, num_lookahead_slots, num_new_tokens) <= self.num_free_blocks
 
-    def may_append(self, seq: Sequence, num_lookahead_slots: int = 0) -> tuple[int, int] | None:
-        """Before a decode step, give the newest token (and ``num_lookahead_slots`` drafts after it)
-        slots of its own: new blocks past a boundary; a copy of a shared last block, returned as
-        ``(source, destination)`` to copy."""
+    def may_append(self, seq: Sequence, num_lookahead_slots: int = 0,
+                   num_new_tokens: int | None = None) -> tuple[int, int] | None:
+        """Before a step, give its tokens (the newest, or the ``num_new_tokens`` of a prompt chunk
+        whose blocks a sliding window takes as it goes) and ``num_lookahead_slots`` drafts after
+        them slots of their own: new blocks past a boundary; a copy of a shared last block, returned
+        as ``(source, destination)`` to copy."""
         copy = None
         if len(seq.block_table) == seq.num_blocks and self.blocks[seq.block_table[-1]].ref_count > 1:
             shared, block = self.blocks[seq.block_table[-1]], self._take_free_block()
             shared.ref_count -= 1
             seq.block_table[-1] = block.block_id
             copy = shared.block_id, block.block_id
-        while len(seq.block_table) * self.block_size < seq.num_tokens + num_lookahead_slots:
+        end = seq.num_tokens if num_new_tokens is None else seq.num_computed_tokens + num_new_tokens
+        while len(seq.block_table) * self.block_size < end + num_lookahead_slots:
             seq.block_table.append(self._take_free_block().block_id)
         return copy
 
@@ -237,8 +247,7 @@ class BlockManager:
         compute, at ``num_computed_tokens``, sees ``sliding_window - 1`` keys before it and later
         tokens none older, so every block wholly before the first of those keys is dropped and its
         entry points at the null block. Newest first, as ``deallocate`` frees."""
-        num_skipped_tokens = max(0, seq.num_computed_tokens - self.sliding_window + 1)
-        for i in reversed(range(num_skipped_tokens // self.block_size)):
+        for i in reversed(range(self._num_skipped_blocks(seq.num_computed_tokens))):
             if seq.block_table[i] == self.null_block_id:
                 break  # released by an earlier step, and so is every entry before it
             self._release(seq.block_table[i])
@@ -256,6 +265,21 @@ class BlockManager:
         return True
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Blocks wholly before the window of the token at ``num_computed_tokens``: none unread
+        without a window."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def _num_allocated_blocks(self, seq: Sequence, num_cached_tokens: int, num_new_tokens: int | None) -> int:
+        """How long a table ``allocate`` makes: every token's blocks, or with a sliding window only
+        the first step's (a prompt chunk takes its blocks as it runs, as the window gives back the
+        old ones: all at once, a long prompt would need the cache of its whole length)."""
+        if self.sliding_window is None or num_new_tokens is None:
+            return seq.num_blocks
+        return -(-(num_cached_tokens + num_new_tokens) // self.block_size)
 
     def _release(self, block_id: int) -> None:
         """Drop one reference to a block; at none it is free, its hash kept unless only promised."""

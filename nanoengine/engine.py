@@ -76,10 +76,11 @@ class LLMEngine:
             if self.workers is not None:
                 self.workers.shutdown()
             raise
-        config.fit_to_kvcache(self.model_runner.num_kvcache_blocks, self.model_runner.block_size)
+        sliding_window = self.model_runner.model.spec.kv_sliding_window  # None unless every layer slides
+        config.fit_to_kvcache(self.model_runner.num_kvcache_blocks, self.model_runner.block_size, sliding_window)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, config.max_model_len)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.model_runner.block_size,
-                                          config.enable_prefix_caching, self.model_runner.model.spec.kv_sliding_window)
+                                          config.enable_prefix_caching, sliding_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, eos_token_ids, config.enable_chunked_prefill)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids)

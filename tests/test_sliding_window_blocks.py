@@ -64,6 +64,25 @@ def test_a_released_block_serves_prefix_hits_until_the_pool_reuses_it():
     assert {b.block_id for b in released} <= set(filler.block_table) and bm.num_cached_tokens(again) == 0
 
 
+def test_a_prefix_hit_takes_back_only_the_blocks_the_first_steps_window_reads():
+    """Eight cached tokens, window 3: the first step computes token 8, which sees 6..8, so of the four
+    cached blocks only the last (tokens 6, 7) is taken back; a chunk's table ends with the chunk."""
+    bm = BlockManager(12, BS, sliding_window=3)
+    first = Sequence(list(range(9)), SamplingParams(), BS)
+    bm.allocate(first)
+    step_done(bm, first, 9)
+    bm.deallocate(first)
+    again = Sequence(list(range(9)) + [50, 51, 52, 53, 54], SamplingParams(), BS)
+    assert bm.can_allocate(again, 2)
+    bm.allocate(again, 2)  # tokens 8..9 of 14
+    assert again.num_cached_tokens == 8 and len(again.block_table) == 5
+    assert again.block_table[:3] == [NULL_BLOCK_ID] * 3 and NULL_BLOCK_ID not in again.block_table[3:]
+    assert bm.num_used_blocks == 2
+    step_done(bm, again, 10)  # token 10 sees 8..10: block 3 (tokens 6, 7) goes too
+    assert bm.can_append(again, num_new_tokens=4) and bm.may_append(again, num_new_tokens=4) is None
+    assert len(again.block_table) == 7 and again.block_table[3] == NULL_BLOCK_ID and bm.num_used_blocks == 3
+
+
 def test_forked_samples_each_drop_their_own_reference():
     """n=2: the prompt's blocks are shared; one sample leaving them behind frees nothing, both do."""
     bm = BlockManager(8, BS, sliding_window=2)
@@ -177,3 +196,31 @@ def test_a_cache_too_small_for_the_sequences_whole_runs_them_without_preemption(
     lengths = [len(prompt) + GREEDY.max_tokens for prompt in prompts]
     assert sum(math.ceil(n / 4) for n in lengths) > 9 and stats["num_preemptions"] == 0
     assert stats["kvcache_blocks_freed_by_window"] == sum((n - WINDOW) // 4 for n in lengths)
+
+
+@torch.inference_mode()
+def test_a_prompt_longer_than_the_whole_cache_runs_in_chunks_holding_a_window(mistral):
+    """36 usable tokens of cache, a prompt of 120 in chunks of 8: a step holds only the blocks of its
+    chunk and of the 7 keys before it (for the chunk at 8k, blocks 2k - 2 .. 2k + 1: four), the
+    blocks behind go back as it goes, and the tokens match HF's."""
+    llm = LLM(mistral, dtype="float32", device="cpu", kvcache_block_size=4, num_kvcache_blocks=10, max_model_len=160,
+              enable_chunked_prefill=True, max_num_batched_tokens=8)
+    bm, run, held = llm.block_manager, llm.model_runner.run, []
+
+    def run_and_count(seqs, *args):
+        held.append(bm.num_used_blocks)
+        return run(seqs, *args)
+
+    llm.model_runner.run = run_and_count
+    prompt = random_prompts(llm.vocab_size, (120,), seed=13)[0]
+    assert_generation_matches_hf(llm, mistral, [prompt])
+    assert max(held) == 4 and len(held) == 120 // 8 + GREEDY.max_tokens - 1
+    assert llm.stats()["kvcache_blocks_freed_by_window"] == (120 + GREEDY.max_tokens - WINDOW) // 4
+
+
+def test_a_cache_that_cannot_hold_a_window_and_a_step_is_a_value_error(mistral):
+    with pytest.raises(ValueError, match="max_num_batched_tokens=8: a step of it and the sliding window of 8"):
+        LLM(mistral, dtype="float32", device="cpu", kvcache_block_size=4, num_kvcache_blocks=4, max_model_len=160,
+            enable_chunked_prefill=True, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="max_model_len=160 is larger than the whole KV cache"):  # whole prompts
+        LLM(mistral, dtype="float32", device="cpu", kvcache_block_size=4, num_kvcache_blocks=10, max_model_len=160)

@@ -4,7 +4,8 @@
 scheduler decided and what the model runner built at each step (nanoengine/trace.py; read it
 beside docs/walkthrough.md): a preemption and prefix-cache hits; with ``--chunked``, chunked
 prefill's mixed steps; with ``--fork``, a request's two samples sharing blocks (copy on write);
-with ``--speculative``, n-gram drafts verified in one step and the rejected ones taken back.
+with ``--speculative``, n-gram drafts verified in one step and the rejected ones taken back; with
+``--sliding``, a sliding window's blocks going back to the pool as the sequence moves on.
 ``--model DIR --load-format dummy`` runs a model from its config.json alone, with random weights
 and token-id prompts: a check of a GPU that has nothing to download.
 """
@@ -35,6 +36,8 @@ def main():
                        help="with --trace: a request with n=2, its samples sharing blocks, copy on write")
     scene.add_argument("--speculative", action="store_const", dest="scene", const="speculative",
                        help="with --trace: n-gram speculative decoding, drafts verified and taken back")
+    scene.add_argument("--sliding", action="store_const", dest="scene", const="sliding",
+                       help="with --trace: a sliding window (every layer's), its old blocks released")
     parser.add_argument("--model", help="an HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights, for a model directory that holds only its config.json")

@@ -107,6 +107,9 @@ class Config:
     # bool}; a field left unset is the model's).
     runner: str = "generate"
     pooler_config: PoolerConfig | dict | None = None
+    # vLLM's: fields set on the model's HF config after it is read, e.g. {"sliding_window": 64}. (The
+    # trace's sliding scene reads SmolLM2 as a Mistral with a short window this way.)
+    hf_overrides: dict | None = None
     # Set by resolve_limits: whether max_model_len was left to default (it may then shrink to fit the cache).
     max_model_len_is_default: bool = field(default=False, init=False, repr=False)
 
@@ -159,6 +162,9 @@ class Config:
                              "(its kernel takes bfloat16 or float32 activations), got dtype='float16'")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.hf_overrides is not None and not (isinstance(self.hf_overrides, dict)
+                                                  and all(isinstance(name, str) for name in self.hf_overrides)):
+            raise ValueError(f"hf_overrides must be a dict of HF config fields, got {self.hf_overrides!r}")
         self._check_attention_backend()
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)

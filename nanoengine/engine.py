@@ -62,7 +62,7 @@ class LLMEngine:
     def __init__(self, model: str | None = None, **kwargs):
         self.config = config = Config.from_kwargs(model, kwargs)
         path = checkpoint_directory(resolve_model_path(model))
-        hf_config = load_hf_config(path)
+        hf_config = load_hf_config(path, config.hf_overrides)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
         self.vocab_size = hf_config.vocab_size
         config.resolve_limits(hf_config.max_position_embeddings)

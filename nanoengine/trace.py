@@ -9,8 +9,9 @@ the sequences admitted, preempted and finished, each sequence's block table and 
 ``cu_seqlens`` or context lengths, the blocks' reference counts, which blocks carry a prefix hash,
 the free list's head, and the tokens sampled, as text; with chunked prefill the step's token
 budget, spent; and the copies on write and the forks of ``n > 1``. ``demo`` plays the scenes of
-``python example.py --trace [--chunked | --fork | --speculative]`` and docs/walkthrough.md; with
-speculative decoding, each step's drafts, the ones accepted and the slots and blocks taken back.
+``python example.py --trace [--chunked | --fork | --speculative | --sliding]`` and docs/walkthrough.md;
+with speculative decoding, each step's drafts, the ones accepted and the slots and blocks taken back;
+with a sliding window, the blocks that fell out of it, released.
 
 When each part is read: the header (why, admitted, preempted, budget, copies) right after
 ``schedule``; the table and the block lines as the step's inputs are built, before the forward
@@ -29,14 +30,19 @@ from nanoengine.sequence import Sequence, SequenceStatus
 # The scenes' engines: blocks of 8 tokens. "preemption": a cache of 8 blocks, small enough that the
 # third request is preempted; "chunked": a step budget of 24 tokens, so prompts arrive in chunks
 # beside running decodes; "fork": one request with n=2 whose samples share their prompt's blocks;
-# "speculative": n-gram drafts of up to 6 tokens, verified a step at a time.
+# "speculative": n-gram drafts of up to 6 tokens, verified a step at a time; "sliding": SmolLM2 read as
+# a Mistral whose every layer sees 16 tokens (hf_overrides: same weights, a window they were not trained
+# with), prompts in chunks of 16, so that blocks fall out of the window and go back to the pool.
 DEMO_OPTIONS = dict(dtype="float32", device="cpu", kvcache_block_size=8, num_kvcache_blocks=8)
 SCENE_OPTIONS = {"preemption": DEMO_OPTIONS,
                  "chunked": {**DEMO_OPTIONS, "num_kvcache_blocks": 24, "enable_chunked_prefill": True,
                              "max_num_batched_tokens": 24},
                  "fork": {**DEMO_OPTIONS, "num_kvcache_blocks": 24},
                  "speculative": {**DEMO_OPTIONS, "num_kvcache_blocks": 24, "speculative_config": {
-                     "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 3, "prompt_lookup_min": 2}}}
+                     "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 3, "prompt_lookup_min": 2}},
+                 "sliding": {**DEMO_OPTIONS, "num_kvcache_blocks": 24, "enable_chunked_prefill": True,
+                             "max_num_batched_tokens": 16,
+                             "hf_overrides": {"model_type": "mistral", "sliding_window": 16}}}
 DEMO_SYSTEM = "You are a concise assistant. Answer in one sentence."
 DEMO_QUESTIONS = ["What is the capital of France?", "What is the capital of Italy?", "Name a primary color."]
 DEMO_REPEAT = "Repeat this sentence: The old lighthouse keeper climbed the stairs every evening at dusk."
@@ -157,8 +163,11 @@ class StepObserver:
             rows[seq.seq_id], row = row, row + (len(seq.sample_indices) if seq.samples else 1)
         if self.write is not None:
             self._body(seqs)  # before postprocess: the step's own positions and block tables
+        tables = [list(seq.block_table) for seq in seqs]
         stepped = self._postprocess(seqs, token_ids, *args)
         if self.write is not None:
+            for seq, table in zip(seqs, tables):
+                self._released(seq, table)
             decode = self.engine.tokenizer.decode
             words = "  ".join(f"#{seq.seq_id} {decode(seq.token_ids[-seq.num_new_tokens:])!r}" for seq in stepped)
             self.write(f"  sampled   {words or '(nothing: only prompt chunks ran)'}")
@@ -175,6 +184,16 @@ class StepObserver:
                                f"{seq.detokenizer.text.strip()!r}; its blocks are freed, their hashes kept")
             self.write("")
         return stepped
+
+    def _released(self, seq: Sequence, table: list[int]) -> None:
+        """A sliding window's blocks going back: the entries postprocess pointed at the null block."""
+        bm = self.engine.block_manager
+        released = [b for b, now in zip(table, seq.block_table) if now != b and now == bm.null_block_id]
+        if released:
+            first = seq.num_computed_tokens - bm.sliding_window + 1
+            self.write(f"  released  #{seq.seq_id}: blocks {released} hold only tokens before {first}, the oldest key "
+                       f"its next query sees (window {bm.sliding_window}): back to the pool, hashes kept; their "
+                       f"entries now point at the null block {bm.null_block_id}")
 
     def _verified(self, seq: Sequence, drafts: list[int], table: list[int], given: list[int]) -> None:
         """Speculative decoding: which drafts the step accepted, what a stop cut, and what it took back
@@ -210,7 +229,8 @@ class StepObserver:
         for i, (seq, seq_slots) in enumerate(zip(seqs, per_seq)):
             start = seq.num_computed_tokens
             positions = ranges(list(range(start, start + seq.num_scheduled_tokens)))
-            keys = (f"0..{start + seq.num_scheduled_tokens - 1}" if ctx.is_prefill else context_lens[i])
+            oldest = max(0, start - bm.sliding_window + 1) if bm.sliding_window else 0  # the first query's first key
+            keys = (f"{oldest}..{start + seq.num_scheduled_tokens - 1}" if ctx.is_prefill else context_lens[i])
             self.write(f"  #{seq.seq_id:<4} {positions:<13} {str(seq.block_table):<29} {ranges(seq_slots):<21} {keys}")
         if ctx.is_prefill:
             self.write(f"  cu_seqlens_q {ctx.cu_seqlens_q.tolist()}   cu_seqlens_k {ctx.cu_seqlens_k.tolist()}")
@@ -234,11 +254,15 @@ def demo(llm: LLM, write: Callable[[str], None] = print, max_tokens: int = 24,
       and the shared, partly filled last block is copied on write.
     - "speculative": one request to repeat a sentence, with n-gram drafts: each step computes the
       newest token and the drafts after it, keeps what the model agrees with, takes back the rest.
+    - "sliding": one chat request on a model whose every layer slides: its prompt's chunks take their
+      blocks as they run, and the blocks behind the window are released as the sequence goes on.
     """
     observer = StepObserver(llm, write)
     prompts = [llm.chat_prompt([{"role": "system", "content": DEMO_SYSTEM}, {"role": "user", "content": q}])
                for q in DEMO_QUESTIONS]
     if scene == "speculative":
+        prompts = [llm.chat_prompt([{"role": "user", "content": DEMO_REPEAT}])]
+    if scene == "sliding":  # a window of 16: copying a sentence needs only the last few tokens
         prompts = [llm.chat_prompt([{"role": "user", "content": DEMO_REPEAT}])]
     if scene == "fork":
         # The third question: 30 tokens, so the prompt ends inside a block, which both samples then write.

@@ -224,3 +224,5 @@ def test_a_cache_that_cannot_hold_a_window_and_a_step_is_a_value_error(mistral):
             enable_chunked_prefill=True, max_num_batched_tokens=8)
     with pytest.raises(ValueError, match="max_model_len=160 is larger than the whole KV cache"):  # whole prompts
         LLM(mistral, dtype="float32", device="cpu", kvcache_block_size=4, num_kvcache_blocks=10, max_model_len=160)
+    with pytest.raises(ValueError, match="hf_overrides must be a dict of HF config fields"):
+        LLM(mistral, hf_overrides=["sliding_window"])

@@ -52,7 +52,7 @@ def play(model: str, scene: str, max_tokens: int = 12):
     return llm, observer, "\n".join(lines).split("\nstep "), truth
 
 
-@pytest.mark.parametrize("scene", ["preemption", "chunked", "fork", "speculative"])
+@pytest.mark.parametrize("scene", ["preemption", "chunked", "fork", "speculative", "sliding"])
 def test_trace_prints_the_block_tables_slots_and_ref_counts_the_block_manager_holds(tiny_models, scene):
     llm, observer, steps, truth = play(tiny_models["llama"], scene)
     assert len(steps) == len(truth) == len(observer.records)
@@ -121,6 +121,19 @@ def test_speculative_scene_shows_the_drafts_accepted_and_the_rejected_ones_taken
     freed = [int(b) for found in re.findall(r"blocks \[([\d, ]+)\], which held only them, are freed", text)
              for b in found.split(", ")]
     assert re.search(r"rejected  .*: their K/V in slots \[[\d., ]+\]", text) and freed
+    assert llm.stats()["kvcache_blocks_in_use"] == 0
+
+
+def test_sliding_scene_shows_the_blocks_behind_the_window_released(tiny_models):
+    """Every layer sees 16 tokens (the tiny Llama read as a Mistral): each block a step leaves wholly
+    behind its window is printed as released, and its entry in the next step's table is the null block."""
+    llm, _, steps, truth = play(tiny_models["llama"], "sliding")
+    printed = [[int(b) for b in found.split(", ")] for text in steps
+               for found in re.findall(r"released  #\d+: blocks \[([\d, ]+)\] hold only tokens before", text)]
+    tables = [next(iter(t.values()))[0] for t, *_ in truth]  # the scene's one sequence, step by step
+    went = [[a for a, b in zip(before, after) if a != b == 0] for before, after in zip(tables, tables[1:])]
+    assert [blocks for blocks in went if blocks] == printed and sum(map(len, printed)) >= 2
+    assert llm.stats()["kvcache_blocks_freed_by_window"] >= sum(map(len, printed))  # the last step's are not shown
     assert llm.stats()["kvcache_blocks_in_use"] == 0
 
 

@@ -27,22 +27,18 @@ runner to make before the step). Copying one block costs a memory copy; recomput
 partial tail instead would cost each child a prefill of up to ``block_size - 1`` tokens, and the
 prompt would no longer be computed once.
 
-Sliding windows (vLLM V1's sliding-window manager): when every layer of the model slides, a query
-at position p reads only the keys ``p - sliding_window + 1 .. p``. Once a step has computed a
-sequence's first ``num_computed_tokens`` tokens, no query of that step's successors reads a key
-before ``num_computed_tokens - sliding_window + 1``, so the blocks wholly before it go back to the
-pool (``remove_skipped_blocks``, after each completed step): the sequence drops its reference, and
-a block nobody else holds becomes free with its hash kept, so a later prompt with the same prefix is
-still served from it until the pool hands it out again. The released entries of the block table
-point at the *null block*, block 0, which such a manager reserves: never handed out, never written,
-so ``t // block_size`` still indexes the table and a kernel that looks at an entry the window hides
-(as it looks at a padded row's) reads zeros it masks out. A prefix-cache hit walks the chain from
-block 0, so a chain one of whose blocks was handed out again ends there.
-
-A hybrid model (Gemma 2's alternating layers, Gemma 3's five sliding in six) keeps every block: its
-full-attention layers read every key through the same block table. vLLM's hybrid KV cache manager
-splits the layers into KV cache groups, each with its own block table and manager, so that the
-sliding group releases while the full group keeps; nanoengine has one table per sequence for now.
+Sliding windows (vLLM V1's sliding-window manager): when every layer slides, a query at position
+p reads only the keys ``p - sliding_window + 1 .. p``, so once a step has computed a sequence's first
+``num_computed_tokens`` tokens, the blocks wholly before ``num_computed_tokens - sliding_window + 1``
+are never read again. After each completed step they go back (``remove_skipped_blocks``): the
+sequence drops its reference, a block nobody else holds is free with its hash kept (a prefix hit
+walks the chain from block 0, so a chain with a reused block ends there), and the entry points at
+the *null block*, block 0, reserved: never handed out, never written, so ``t // block_size`` still
+indexes the table and a kernel that looks at a hidden entry reads zeros it masks out. A prompt chunk
+takes its blocks as it runs, and a prefix hit takes back only what the first step's window reads,
+so a sequence holds about a window's blocks. A hybrid model (Gemma 2 and 3) keeps every block: its
+full layers read every key through the one table (docs/walkthrough.md, section 10, has vLLM's
+answer, a block table per group of layers).
 """
 
 from array import array

@@ -55,9 +55,9 @@ class FamilySpec:
 
     @property
     def kv_sliding_window(self) -> int | None:
-        """The window no layer reads a key before (the largest of the layers'), if every layer slides:
-        the block manager then releases the blocks that fall out of it. None when a layer reads
-        every key (Llama's, and the full layers of a hybrid such as Gemma 2 and 3)."""
+        """If every layer slides, the largest window: no layer reads a key further back, so the block
+        manager releases the blocks behind it. None when some layer reads every key (Llama's, and
+        the full layers of a hybrid such as Gemma 2 and 3)."""
         windows = [layer.sliding_window for layer in self.layers]
         return None if None in windows else max(windows)
 

@@ -263,8 +263,7 @@ class BlockManager:
     # -- internals ----------------------------------------------------------------------------
 
     def _num_skipped_blocks(self, num_computed_tokens: int) -> int:
-        """Blocks wholly before the window of the token at ``num_computed_tokens``: none unread
-        without a window."""
+        """Blocks wholly before the window of the token at ``num_computed_tokens`` (none without one)."""
         if self.sliding_window is None:
             return 0
         return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size

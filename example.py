@@ -6,7 +6,8 @@ trace_scenes.py; read it beside docs/walkthrough.md): a preemption and prefix-ca
 ``--chunked``, chunked prefill's mixed steps; with ``--fork``, a request's two samples sharing
 blocks (copy on write); with ``--speculative``, n-gram drafts verified in one step and the rejected
 ones taken back; with ``--structured``, the tokens a JSON schema allows at each step; with
-``--graphs``, which decode steps record a CPU graph and which replay one.
+``--graphs``, which decode steps record a CPU graph and which replay one; with ``--sliding``, a
+sliding window's blocks going back to the pool as the sequence moves on.
 ``--model DIR --load-format dummy`` runs a model from its config.json alone, with random weights
 and token-id prompts: a check of a GPU that has nothing to download.
 """
@@ -41,6 +42,8 @@ def main():
                        help="with --trace: a JSON schema's allowed tokens, step by step")
     scene.add_argument("--graphs", action="store_const", dest="scene", const="graphs",
                        help="with --trace: decode steps recording and replaying a graph per batch bucket")
+    scene.add_argument("--sliding", action="store_const", dest="scene", const="sliding",
+                       help="with --trace: a sliding window (every layer's), its old blocks released")
     parser.add_argument("--model", help="an HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights, for a model directory that holds only its config.json")

@@ -111,6 +111,9 @@ class Config:
     # bool}; a field left unset is the model's).
     runner: str = "generate"
     pooler_config: PoolerConfig | dict | None = None
+    # vLLM's: fields set on the model's HF config after it is read, e.g. {"sliding_window": 64}. (The
+    # trace's sliding scene reads SmolLM2 as a Mistral with a short window this way.)
+    hf_overrides: dict | None = None
     # Set by resolve_limits: whether max_model_len was left to default (it may then shrink to fit the cache).
     max_model_len_is_default: bool = field(default=False, init=False, repr=False)
 
@@ -164,6 +167,9 @@ class Config:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.hf_overrides is not None and not (isinstance(self.hf_overrides, dict)
+                                                  and all(isinstance(name, str) for name in self.hf_overrides)):
+            raise ValueError(f"hf_overrides must be a dict of HF config fields, got {self.hf_overrides!r}")
         self._check_attention_backend()
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
@@ -255,14 +261,18 @@ class Config:
                         self.pooler_config.pooling_type)
             self.enable_prefix_caching = False
 
-    def fit_to_kvcache(self, num_kvcache_blocks: int, block_size: int) -> None:
+    def fit_to_kvcache(self, num_kvcache_blocks: int, block_size: int, sliding_window: int | None = None) -> None:
         """Make sure every admissible sequence can be served by the cache and the token budget.
 
         A sequence of ``max_model_len`` tokens must fit in the whole KV cache and, unless chunked
         prefill splits it over several steps, in one step's token budget, or it would wait forever.
+        When every layer slides (``sliding_window``) and prompts come in chunks, a sequence holds only
+        the blocks of its window and its step (block_manager.py): a ``max_model_len`` asked for may
+        then pass the cache, which must hold a window and a step instead.
         """
         capacity = num_kvcache_blocks * block_size
-        if self.max_model_len > capacity:
+        windowed = sliding_window is not None and self.enable_chunked_prefill and not self.max_model_len_is_default
+        if self.max_model_len > capacity and not windowed:
             if not self.max_model_len_is_default:
                 raise ValueError(f"max_model_len={self.max_model_len} is larger than the whole KV cache "
                                  f"({num_kvcache_blocks} blocks x {block_size} tokens = {capacity} tokens); "
@@ -283,3 +293,8 @@ class Config:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
                              f"max_model_len={self.max_model_len}: a long prompt could never be scheduled "
                              "(unless enable_chunked_prefill=True splits it)")
+        needed = -(-(sliding_window - 1 + self.max_num_batched_tokens) // block_size) + 1 if windowed else 0
+        if needed > num_kvcache_blocks - 1:  # the null block is no sequence's
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}: a step of it and the sliding "
+                             f"window of {sliding_window} tokens need {needed} KV blocks, the cache has "
+                             f"{num_kvcache_blocks - 1}; lower max_num_batched_tokens or give the cache more blocks")

@@ -65,7 +65,7 @@ class LLMEngine:
     def __init__(self, model: str | None = None, **kwargs):
         self.config = config = Config.from_kwargs(model, kwargs)
         path = checkpoint_directory(resolve_model_path(model))
-        hf_config = load_hf_config(path)
+        hf_config = load_hf_config(path, config.hf_overrides)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
         self.vocab_size = hf_config.vocab_size
         config.resolve_limits(hf_config.max_position_embeddings)
@@ -79,12 +79,13 @@ class LLMEngine:
             if self.workers is not None:
                 self.workers.shutdown()
             raise
-        config.fit_to_kvcache(self.model_runner.num_kvcache_blocks, self.model_runner.block_size)
+        sliding_window = self.model_runner.model.spec.kv_sliding_window  # None unless every layer slides
+        config.fit_to_kvcache(self.model_runner.num_kvcache_blocks, self.model_runner.block_size, sliding_window)
         runner = self.model_runner
         logger.info("KV cache: %d tokens (%d blocks of %d) in %s", runner.num_kvcache_blocks * runner.block_size,
                     runner.num_kvcache_blocks, runner.block_size, runner.kv_cache_dtype)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.model_runner.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, sliding_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, eos_token_ids, config.enable_chunked_prefill)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids)
@@ -212,6 +213,8 @@ class LLMEngine:
             "num_kvcache_blocks": len(self.block_manager.blocks),
             "kvcache_tokens": len(self.block_manager.blocks) * self.block_manager.block_size,  # its capacity
             "kvcache_blocks_in_use": self.block_manager.num_used_blocks,
+            # Blocks a sliding window left behind, released while their sequences went on (block_manager.py).
+            "kvcache_blocks_freed_by_window": self.block_manager.num_window_freed_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_tokens": self.scheduler.prefix_cache_hit_tokens,
             **{f"spec_decode_{name}": count for name, count in self.scheduler.spec_decode_counts.items()},

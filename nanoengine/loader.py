@@ -134,16 +134,20 @@ def _fingerprint(path: Path, seed: str = "") -> str:
     return hasher.hexdigest()
 
 
-def load_hf_config(path: str) -> PretrainedConfig:
-    """The model's config. A GGUF conversion's config.json was written by this very transformers (its
-    version is in the cache key), with every field that differs from the base class's defaults, so
-    the base class reads it back whole. AutoConfig would import the model type's own config class,
-    and with it about 2 s of modules nanoengine never uses (torch._dynamo, torch.distributed.tensor,
-    through transformers' kernel hub)."""
+def load_hf_config(path: str, overrides: dict | None = None) -> PretrainedConfig:
+    """The model's config, with ``overrides`` (``Config.hf_overrides``) set on it. A GGUF conversion's
+    config.json was written by this very transformers (its version is in the cache key), with every
+    field that differs from the base class's defaults, so the base class reads it back whole.
+    AutoConfig would import the model type's own config class, and with it about 2 s of modules
+    nanoengine never uses (torch._dynamo, torch.distributed.tensor, through transformers' kernel hub)."""
     if _is_conversion(path):
-        return PretrainedConfig.from_dict(json.loads(Path(path, "config.json").read_text()))
-    from transformers import AutoConfig  # imported where needed: resolving it alone takes 0.35 s
-    return AutoConfig.from_pretrained(path)
+        config = PretrainedConfig.from_dict(json.loads(Path(path, "config.json").read_text()))
+    else:
+        from transformers import AutoConfig  # imported where needed: resolving it alone takes 0.35 s
+        config = AutoConfig.from_pretrained(path)
+    for name, value in (overrides or {}).items():
+        setattr(config, name, value)
+    return config
 
 
 def load_tokenizer(path: str):

@@ -74,6 +74,14 @@ class FamilySpec:
     moe: MoESpec | None = None  # the experts of the layers marked sparse
     checkpoint_renames: tuple[tuple[str, str], ...] = ()  # checkpoint name fragment -> ours (Mixtral's)
 
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """If every layer slides, the largest window: no layer reads a key further back, so the block
+        manager releases the blocks behind it. None when some layer reads every key (Llama's, and
+        the full layers of a hybrid such as Gemma 2 and 3)."""
+        windows = [layer.sliding_window for layer in self.layers]
+        return None if None in windows else max(windows)
+
 
 def check_rope(config: PretrainedConfig, rope: dict, field: str) -> dict:
     """``rope`` (a ``rope_parameters``) if nanoengine runs its type; for "longrope", completed as HF

@@ -14,7 +14,8 @@ soon as there is room: that is continuous batching. Two policies share that rule
   then mixes decodes and prompt chunks, and running streams keep a steady pace.
   An admitted prompt gets blocks for all its tokens at once, not chunk by chunk as in vLLM V1:
   once admitted it cannot run out of blocks halfway, so only a decode ever preempts, and never a
-  half-computed prompt; the price is blocks held idle for the chunks still to come.
+  half-computed prompt; the price is blocks held idle for the chunks still to come. (Where every
+  layer slides, chunks take blocks as they run: block_manager.py.)
 
 When a running sequence needs a new KV block and none is free, the most recently admitted sequence
 is preempted: its blocks are freed and it returns to the head of the waiting queue, to be
@@ -93,22 +94,24 @@ class Scheduler:
 
     def _schedule_running(self, budget: int, blocks_to_copy: list[tuple[int, int]]) -> list[Sequence]:
         """Oldest first, each running sequence's next tokens: its newest token, or the next chunk of a
-        prompt still being computed (whose blocks it already holds). A sequence whose last block is
-        shared (forked samples) gets a copy of it, added to ``blocks_to_copy``."""
+        prompt still being computed (whose blocks it already holds, or with a sliding window takes as it
+        goes: block_manager.py). A sequence whose last block is shared (forked samples) gets a copy of
+        it, added to ``blocks_to_copy``."""
         scheduled = []
         for seq in list(self.running):
             if budget == 0 or len(scheduled) == self.max_num_seqs:  # forked samples may outnumber a step
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older sequence
-            while not self.block_manager.can_append(seq):
+            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, num_new_tokens=num_new_tokens):
                 self._preempt(self.running[-1])  # the newest, possibly ``seq`` itself
                 if seq.status != SequenceStatus.RUNNING:
                     break
             else:
-                if (copy := self.block_manager.may_append(seq)) is not None:
+                if (copy := self.block_manager.may_append(seq, num_new_tokens=num_new_tokens)) is not None:
                     blocks_to_copy.append(copy)
-                seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                seq.num_scheduled_tokens = num_new_tokens
                 budget -= seq.num_scheduled_tokens
                 scheduled.append(seq)
         return scheduled
@@ -145,7 +148,7 @@ class Scheduler:
                 num_new_tokens = seq.num_tokens - self.block_manager.num_hit_tokens(seq)
                 if num_new_tokens > budget and self.enable_chunked_prefill:
                     num_new_tokens = budget
-                if num_new_tokens > budget or not self.block_manager.can_allocate(seq):
+                if num_new_tokens > budget or not self.block_manager.can_allocate(seq, num_new_tokens):
                     break
                 self.block_manager.allocate(seq, num_new_tokens)
                 seq.num_scheduled_tokens, seq.spec_token_ids = num_new_tokens, []  # a prompt verifies no drafts

@@ -10,9 +10,10 @@ the sequences admitted, preempted and finished, each sequence's block table and 
 the free list's head, and the tokens sampled, as text; with chunked prefill the step's token
 budget, spent; and the copies on write and the forks of ``n > 1``; with speculative decoding, each
 step's drafts, the ones accepted and the slots and blocks taken back; with structured output, how
-many tokens each sample's grammar allowed and the one taken; with ``graphs=True``, which decode steps
-recorded a graph and which replayed one. trace_scenes.py plays the scenes of ``python example.py
---trace`` and docs/walkthrough.md.
+many tokens each sample's grammar allowed and the one taken; with a sliding window, the blocks that
+fell out of it, released; with ``graphs=True``, which decode steps recorded a graph and which
+replayed one. trace_scenes.py plays the scenes of ``python example.py --trace`` and
+docs/walkthrough.md.
 
 When each part is read: the header (why, admitted, preempted, budget, copies) right after
 ``schedule``; the table and the block lines as the step's inputs are built, before the forward
@@ -151,8 +152,11 @@ class StepObserver:
             constrained = [seq for seq in seqs if seq.is_sampling and seq.grammar is not None]
             masks = dict(zip(constrained, allowed_tokens([seq.grammar for seq in constrained],
                                                          self.engine.vocab_size)[1])) if constrained else {}
+        tables = [list(seq.block_table) for seq in seqs]
         stepped = self._postprocess(seqs, token_ids, *args)
         if self.write is not None:
+            for seq, table in zip(seqs, tables):
+                self._released(seq, table)
             decode = self.engine.tokenizer.decode
             words = "  ".join(f"#{seq.seq_id} {decode(seq.token_ids[-seq.num_new_tokens:])!r}" for seq in stepped)
             self.write(f"  sampled   {words or '(nothing: only prompt chunks ran)'}")
@@ -173,6 +177,16 @@ class StepObserver:
                                f"{seq.detokenizer.text.strip()!r}; its blocks are freed, their hashes kept")
             self.write("")
         return stepped
+
+    def _released(self, seq: Sequence, table: list[int]) -> None:
+        """A sliding window's blocks going back: the entries postprocess pointed at the null block."""
+        bm = self.engine.block_manager
+        released = [b for b, now in zip(table, seq.block_table) if now != b and now == bm.null_block_id]
+        if released:
+            first = seq.num_computed_tokens - bm.sliding_window + 1
+            self.write(f"  released  #{seq.seq_id}: blocks {released} hold only tokens before {first}, the oldest key "
+                       f"its next query sees (window {bm.sliding_window}): back to the pool, hashes kept; their "
+                       f"entries now point at the null block {bm.null_block_id}")
 
     def _verified(self, seq: Sequence, drafts: list[int], table: list[int], given: list[int]) -> None:
         """Speculative decoding: which drafts the step accepted, what a stop cut, and what it took back
@@ -239,7 +253,8 @@ class StepObserver:
         for i, (seq, seq_slots) in enumerate(zip(seqs, per_seq)):
             start = seq.num_computed_tokens
             positions = ranges(list(range(start, start + seq.num_scheduled_tokens)))
-            keys = (f"0..{start + seq.num_scheduled_tokens - 1}" if ctx.is_prefill else context_lens[i])
+            oldest = max(0, start - bm.sliding_window + 1) if bm.sliding_window else 0  # the first query's first key
+            keys = (f"{oldest}..{start + seq.num_scheduled_tokens - 1}" if ctx.is_prefill else context_lens[i])
             self.write(f"  #{seq.seq_id:<4} {positions:<13} {str(seq.block_table):<29} {ranges(seq_slots):<21} {keys}")
         if ctx.is_prefill:
             self.write(f"  cu_seqlens_q {ctx.cu_seqlens_q.tolist()}   cu_seqlens_k {ctx.cu_seqlens_k.tolist()}")

@@ -17,7 +17,9 @@ from nanoengine.trace import StepObserver
 # beside running decodes; "fork": one request with n=2 whose samples share their prompt's blocks;
 # "speculative": n-gram drafts of up to 6 tokens, verified a step at a time; "structured": one
 # request whose output must follow a JSON schema; "graphs": decode steps whose batch shrinks and
-# grows, through CPU graphs (on by default: neither enforce_eager nor learner_mode).
+# grows, through CPU graphs (on by default: neither enforce_eager nor learner_mode); "sliding": SmolLM2
+# read as a Mistral whose every layer sees 16 tokens (hf_overrides: same weights, a window they were
+# not trained with), prompts in chunks of 16, so that blocks fall out of the window and go back.
 DEMO_OPTIONS = dict(dtype="float32", device="cpu", kvcache_block_size=8, num_kvcache_blocks=8)
 SCENE_OPTIONS = {"preemption": DEMO_OPTIONS,
                  "chunked": {**DEMO_OPTIONS, "num_kvcache_blocks": 24, "enable_chunked_prefill": True,
@@ -26,11 +28,15 @@ SCENE_OPTIONS = {"preemption": DEMO_OPTIONS,
                  "speculative": {**DEMO_OPTIONS, "num_kvcache_blocks": 24, "speculative_config": {
                      "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 3, "prompt_lookup_min": 2}},
                  "structured": {**DEMO_OPTIONS, "num_kvcache_blocks": 24},
-                 "graphs": {**DEMO_OPTIONS, "num_kvcache_blocks": 24}}
+                 "graphs": {**DEMO_OPTIONS, "num_kvcache_blocks": 24},
+                 "sliding": {**DEMO_OPTIONS, "num_kvcache_blocks": 24, "enable_chunked_prefill": True,
+                             "max_num_batched_tokens": 16,
+                             "hf_overrides": {"model_type": "mistral", "sliding_window": 16}}}
 DEMO_SYSTEM = "You are a concise assistant. Answer in one sentence."
 DEMO_QUESTIONS = ["What is the capital of France?", "What is the capital of Italy?", "Name a primary color."]
 # The sentence's own words are the n-gram drafts; the model's answer leaves them once ("climbed").
 DEMO_REWRITE = "Rewrite in the past tense: The old lighthouse keeper climbs the stairs every evening at dusk."
+DEMO_REPEAT = "Repeat this sentence: The old lighthouse keeper climbed the stairs every evening at dusk."
 # Bounded strings, so that any model's output closes within a few dozen tokens.
 DEMO_SCHEMA = {"type": "object", "required": ["city", "country"], "properties": {
     "city": {"type": "string", "maxLength": 16}, "country": {"enum": ["France", "Italy", "Spain"]}}}
@@ -54,6 +60,8 @@ def demo(llm: LLM, write: Callable[[str], None] = print, max_tokens: int = 24,
     - "graphs": three requests that stop after ``max_tokens`` / 8, / 4 and * 3 / 8 tokens, and a
       fourth arriving once one is left: the decode batch goes 3, 2, 1, then 2 and 1 again, and each
       batch-size bucket's first step records its graph, every later one replays it.
+    - "sliding": one chat request on a model whose every layer slides: its prompt's chunks take their
+      blocks as they run, and the blocks behind the window are released as the sequence goes on.
     """
     observer = StepObserver(llm, write, graphs=scene == "graphs")
     chats = [llm.chat_prompt([{"role": "system", "content": DEMO_SYSTEM}, {"role": "user", "content": q}])
@@ -66,6 +74,8 @@ def demo(llm: LLM, write: Callable[[str], None] = print, max_tokens: int = 24,
         requests = [(0, chats[2], SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=max_tokens // 3))]
     elif scene == "speculative":
         requests = [(0, llm.chat_prompt([{"role": "user", "content": DEMO_REWRITE}]), greedy)]
+    elif scene == "sliding":  # a window of 16: copying a sentence needs only the last few tokens
+        requests = [(0, llm.chat_prompt([{"role": "user", "content": DEMO_REPEAT}]), greedy)]
     elif scene == "structured":
         requests = [(0, llm.chat_prompt([{"role": "user", "content": DEMO_QUESTIONS[0] + " Answer in JSON."}]),
                      SamplingParams(temperature=0, max_tokens=max_tokens,

@@ -121,7 +121,7 @@ def ranks_threads(local_ranks: int) -> int:
 def serve(config: Config, path: str, group: TensorParallelGroup) -> None:
     """A worker's life: build its model runner (its shard, its KV cache), then run every step rank 0
     sends until it says stop."""
-    runner = ModelRunner(config, load_hf_config(path), path, group)
+    runner = ModelRunner(config, load_hf_config(path, config.hf_overrides), path, group)
     while (step := group.receive_step()) is not None:
         input_ids, positions = step.pop("input_ids"), step.pop("positions")
         runner.execute_model(input_ids, positions, Context(**step))

@@ -13,11 +13,11 @@ No model runs here: a "prefill" is ``allocate`` -> (the model writes K/V) -> ``c
 import pytest
 
 pytest.importorskip("hypothesis")  # a test extra: a bare GPU machine may lack it (`pytest -m cuda` there)
-from hypothesis import settings  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from nanoengine.block_manager import BlockManager, compute_block_hash
+from nanoengine.block_manager import NULL_BLOCK_ID, BlockManager, compute_block_hash
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.sequence import Sequence
 
@@ -560,3 +560,78 @@ class BlockManagerAgainstReference(RuleBasedStateMachine):
 
 TestBlockManagerAgainstReference = BlockManagerAgainstReference.TestCase
 TestBlockManagerAgainstReference.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+# -- a sliding window: random runs, every key a step reads checked ---------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(window=st.integers(1, 7), block_size=st.sampled_from([1, 2, 3]), num_blocks=st.integers(4, 12),
+       caching=st.booleans(), prompts=st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=14), min_size=1),
+       ops=st.lists(st.tuples(st.sampled_from(["arrive", "step", "fork", "finish", "preempt"]), st.integers(0, 99),
+                              st.integers(1, 5)), max_size=40))
+def test_a_sliding_windows_steps_read_only_blocks_holding_their_keys(window, block_size, num_blocks, caching,
+                                                                     prompts, ops):
+    """Prefills in chunks, decodes, forks, finishes and preemptions (a preempted sequence comes back whole)
+    on a manager that releases what the window leaves. ``kv`` is what each slot holds, written as a model
+    runner would (a slot holds its token's whole prefix); before each step, every key its queries read
+    (the window's, from the cache) must be in a held block holding that very key, and after it the books
+    must balance: ref counts are the tables' references, the released entries a prefix of each table."""
+    bm, bs = BlockManager(num_blocks, block_size, caching, sliding_window=window), block_size
+    kv: dict[int, dict[int, tuple]] = {}
+    live: list[Sequence] = []
+    waiting = [Sequence(p, SamplingParams(), bs) for p in prompts]
+
+    def run_step(seq: Sequence, n: int) -> None:
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        for p in range(max(0, start - window + 1), start):  # keys read back from the cache
+            block_id = seq.block_table[p // bs]
+            assert block_id != NULL_BLOCK_ID and bm.blocks[block_id].ref_count > 0
+            assert kv[block_id][p % bs] == tuple(seq.token_ids[:p + 1])
+        for p in range(start, end):  # the step's own K/V, through the slot mapping
+            assert seq.block_table[p // bs] != NULL_BLOCK_ID
+            kv.setdefault(seq.block_table[p // bs], {})[p % bs] = tuple(seq.token_ids[:p + 1])
+        seq.num_computed_tokens = end
+
+    for op, index, n in ops:
+        if op == "arrive" and waiting:
+            seq = waiting[index % len(waiting)]
+            n = min(n, seq.num_tokens - bm.num_cached_tokens(seq))
+            if not bm.can_allocate(seq, n):
+                continue
+            waiting.remove(seq)
+            bm.allocate(seq, n)
+            live.append(seq)
+            run_step(seq, n)
+        elif op in ("step", "fork") and live:
+            seq = live[index % len(live)]
+            n = min(n, seq.num_tokens - seq.num_computed_tokens)
+            if not bm.can_append(seq, num_new_tokens=n):
+                continue
+            if (copy := bm.may_append(seq, num_new_tokens=n)) is not None:
+                kv[copy[1]] = dict(kv.get(copy[0], {}))
+            run_step(seq, n)
+        else:
+            if op in ("finish", "preempt") and live:
+                seq = live.pop(index % len(live))
+                bm.deallocate(seq)
+                if op == "preempt":
+                    waiting.append(seq)
+            continue
+        if seq.num_computed_tokens == seq.num_tokens:  # sampled: forked children first, then a token each
+            samples = [seq] + ([bm.fork(seq, 1)] if op == "fork" and seq.num_completion_tokens == 0 else [])
+            live += samples[1:]
+            for sample in samples:
+                sample.append_token(index % 2)
+                sample.num_computed_tokens = sample.num_tokens - 1
+                bm.cache_full_blocks(sample)
+        else:
+            bm.cache_full_blocks(seq)
+        holders = [0] * num_blocks
+        for other in live:
+            skipped = max(0, other.num_computed_tokens - window + 1) // bs
+            assert other.block_table[:skipped] == [NULL_BLOCK_ID] * skipped
+            for block_id in other.block_table[skipped:]:
+                holders[block_id] += 1
+        assert [block.ref_count for block in bm.blocks] == holders and holders[NULL_BLOCK_ID] == 0
+        assert bm.num_free_blocks == holders.count(0) - 1 and NULL_BLOCK_ID not in bm.free_block_ids

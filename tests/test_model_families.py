@@ -117,10 +117,11 @@ def test_prefix_cache_hits_match_hf(family, kernels, family_models):
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.inference_mode()
 def test_preempted_sequences_recompute_to_hfs_tokens(family, kernels, family_models):
-    """Ten blocks of 4 cannot hold three growing sequences: some are preempted and recomputed."""
+    """Ten blocks of 4 cannot hold four growing sequences, even where the window releases blocks (all
+    of Mistral's and Phi-3's layers slide): some are preempted and recomputed."""
     llm = LLM(family_models[family], dtype="float32", device="cpu", kvcache_block_size=4, num_kvcache_blocks=10,
               max_model_len=40, **KERNELS[kernels])
-    assert_generation_matches_hf(llm, family_models[family], random_prompts(llm.vocab_size, (9, 12, 14), seed=3))
+    assert_generation_matches_hf(llm, family_models[family], random_prompts(llm.vocab_size, (5, 9, 3, 6), seed=3))
     assert llm.stats()["num_preemptions"] > 0
 
 

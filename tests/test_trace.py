@@ -56,7 +56,8 @@ def play(model: str, scene: str, max_tokens: int = 12):
     return llm, observer, "\n".join(lines).split("\nstep "), truth
 
 
-@pytest.mark.parametrize("scene", ["preemption", "chunked", "fork", "speculative", "structured", "graphs"])
+@pytest.mark.parametrize("scene", ["preemption", "chunked", "fork", "speculative", "structured", "graphs",
+                                   "sliding"])
 def test_trace_prints_the_block_tables_slots_and_ref_counts_the_block_manager_holds(tiny_models, scene):
     llm, observer, steps, truth = play(tiny_models["llama"], scene)
     assert len(steps) == len(truth) == len(observer.records)
@@ -242,6 +243,19 @@ def test_graphs_scene_records_each_buckets_graph_once_then_replays_it(tiny_model
     assert [b for b, how in decodes if how == "recorded"] == [4, 2, 1]
     assert {b for b, how in decodes if how == "replayed"} == {4, 2, 1}
     assert [b for i, (b, _) in enumerate(decodes) if i == 0 or decodes[i - 1][0] != b] == [4, 2, 1, 2, 1]
+
+
+def test_sliding_scene_shows_the_blocks_behind_the_window_released(tiny_models):
+    """Every layer sees 16 tokens (the tiny Llama read as a Mistral): each block a step leaves wholly
+    behind its window is printed as released, and its entry in the next step's table is the null block."""
+    llm, _, steps, truth = play(tiny_models["llama"], "sliding")
+    printed = [[int(b) for b in found.split(", ")] for text in steps
+               for found in re.findall(r"released  #\d+: blocks \[([\d, ]+)\] hold only tokens before", text)]
+    tables = [next(iter(t.values()))[0] for t, *_ in truth]  # the scene's one sequence, step by step
+    went = [[a for a, b in zip(before, after) if a != b == 0] for before, after in zip(tables, tables[1:])]
+    assert [blocks for blocks in went if blocks] == printed and sum(map(len, printed)) >= 2
+    assert llm.stats()["kvcache_blocks_freed_by_window"] >= sum(map(len, printed))  # the last step's are not shown
+    assert llm.stats()["kvcache_blocks_in_use"] == 0
 
 
 def test_demo_readmits_a_preempted_sequence_with_its_own_blocks_from_the_prefix_cache(tiny_models):

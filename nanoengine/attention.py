@@ -27,10 +27,11 @@ from torch import nn
 from nanoengine.context import Context
 from nanoengine.cpu_kernels import flash_attn_varlen_func_cpu, flash_attn_with_kvcache_cpu, store_kvcache_cpu
 from nanoengine.kv_cache_dtype import is_fp8
-from nanoengine.store_kvcache import store_kvcache_torch, store_kvcache_triton
+from nanoengine.store_kvcache import store_kvcache_torch
 from nanoengine.torch_attention import (flash_attn_varlen_func_torch, flash_attn_with_kvcache_plain,
                                         flash_attn_with_kvcache_torch)
 from nanoengine.triton_attention import flash_attn_varlen_func_triton, flash_attn_with_kvcache_triton
+from nanoengine.triton_store_kvcache import store_kvcache_triton
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from nanoengine.store_kvcache import _store_kvcache_kernel
+from nanoengine.triton_store_kvcache import _store_kvcache_kernel
 from nanoengine.triton_attention import _attention_kernel, _merge_kernel, tile_sizes
 from nanoengine.triton_fp8 import E4M3, E5M2, from_fp8, to_fp8
 from nanoengine.triton_layers import _add_rms_norm_kernel, _rotary_kernel, _silu_and_mul_kernel

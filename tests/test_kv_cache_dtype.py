@@ -15,7 +15,8 @@ import torch
 from nanoengine import LLM, SamplingParams, cpu_kernels, cpu_library
 from nanoengine.cli_args import engine_options, make_parser
 from nanoengine.kv_cache_dtype import dequantize, quantize
-from nanoengine.store_kvcache import store_kvcache_torch, store_kvcache_triton
+from nanoengine.store_kvcache import store_kvcache_torch
+from nanoengine.triton_store_kvcache import store_kvcache_triton
 from nanoengine.torch_attention import (flash_attn_varlen_func_torch, flash_attn_with_kvcache_plain,
                                         flash_attn_with_kvcache_torch)
 from nanoengine.triton_attention import flash_attn_varlen_func_triton, flash_attn_with_kvcache_triton

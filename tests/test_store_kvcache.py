@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from nanoengine import cpu_kernels, cpu_library
-from nanoengine.store_kvcache import store_kvcache_torch, store_kvcache_triton
+from nanoengine.store_kvcache import store_kvcache_torch
+from nanoengine.triton_store_kvcache import store_kvcache_triton
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_TOKENS = 6, 8, 24  # small: the interpreter is slow
 

@@ -4,7 +4,8 @@
 ``Scheduler.postprocess``, and the model runner's ``prepare_prefill``/``prepare_decode``) and reads
 their state around each call; the engine's own code is unchanged, and an engine that is not
 observed pays nothing. It keeps one small record per step (``records``: the numbers
-``bench.py --timeline`` plots, and what its roofline line adds up, roofline.py) and, with ``write``, prints each step as a block of aligned text:
+``bench.py --timeline`` plots and its roofline line adds up, roofline.py) and, with ``write``,
+prints each step as a block of aligned text:
 the sequences admitted, preempted and finished, each sequence's block table and slot mapping,
 ``cu_seqlens`` or context lengths, the blocks' reference counts, which blocks carry a prefix hash,
 the free list's head, and the tokens sampled, as text; with chunked prefill the step's token

@@ -371,8 +371,9 @@ def main():
     print(f"Roofline: decode {results['decode_bytes_per_s'] / 1e9:.2f}GB/s, {results['decode_bandwidth_fraction']:.1%} "
           f"of {peak_bandwidth / 1e9:.1f}GB/s ({'given' if args.peak_bandwidth_gbs else 'copy loop'}), reading "
           f"weights {results['decode_weight_bytes'] / 1e9:.2f}GB + K/V {results['decode_kv_bytes'] / 1e9:.2f}GB in "
-          f"{results['decode_step_seconds']:.2f}s; prefill {results['prefill_flops_per_s'] / flops_scale:.2f}{flops_unit}, "
-          f"{results['prefill_compute_fraction']:.1%} of {peak_flops / flops_scale:.2f}{flops_unit} "
+          f"{results['decode_step_seconds']:.2f}s; prefill "
+          f"{results['prefill_flops_per_s'] / flops_scale:.2f}{flops_unit}, {results['prefill_compute_fraction']:.1%} "
+          f"of {peak_flops / flops_scale:.2f}{flops_unit} "
           f"({'given' if args.peak_tflops else results['dtype'] + ' matmul'})"
           + (f"; rank 0's shard of {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""))
     if args.speculative_config:

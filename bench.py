@@ -9,6 +9,11 @@ lengths uniform in 100..1024, prompt ids uniform in 0..10000, max_model_len 4096
 16384 tokens; nano-vllm ran it with Qwen3-0.6B), the command to compare against its numbers on a GPU.
 ``--load-format dummy`` runs a model directory that holds only its config.json (tests/data keeps
 Qwen3-0.6B's), with random weights: throughput does not depend on their values.
+Every run also prints its roofline (nanoengine/roofline.py): the bytes its decode steps had to
+read (the weights once a step, each sequence's K/V up to its context length) over their time,
+against the memory bandwidth a copy loop measures on the same device (or ``--peak-bandwidth-gbs``),
+and its prefill steps' FLOPs over their time against a matmul's rate in the run's dtype (or
+``--peak-tflops``); with tensor parallelism, for rank 0's shard against one device's peaks.
 ``--timeline PATH.png`` plots the run step by step (needs matplotlib: ``pip install -e ".[plot]"``).
 ``--penalties`` gives every request a repetition penalty of 1.1 and presence and frequency penalties
 of 0.5, to measure what the logits processors cost. ``--workload grounded`` asks the model (through
@@ -33,6 +38,7 @@ from dataclasses import replace
 import torch
 
 from nanoengine import LLM, SamplingParams, StructuredOutputsParams
+from nanoengine.roofline import StepCosts, measure_bandwidth, measure_peak_flops, roofline
 from nanoengine.trace import StepObserver
 
 ORDER_SCHEMA = {  # --structured-output json's: nested objects, an array of them, an enum, a pattern, required fields
@@ -262,6 +268,10 @@ def main():
                         help="every request with repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5")
     parser.add_argument("--speculative-config", type=json.loads, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    parser.add_argument("--peak-bandwidth-gbs", type=float, metavar="GB/S",
+                        help="the memory bandwidth the roofline compares decode with (default: measured by a copy)")
+    parser.add_argument("--peak-tflops", type=float, metavar="TFLOP/S",
+                        help="the compute peak the roofline compares prefill with (default: measured by a matmul)")
     parser.add_argument("--structured-output", choices=["json"],
                         help="every request constrained to a JSON schema, its prompt asking for JSON; reported "
                              "beside the same requests unconstrained")
@@ -274,6 +284,9 @@ def main():
             parser.error("--structured-output brings its own prompts and runs them without a grammar too: "
                          "not with --compare-hf or --workload grounded")
         args.max_model_len = JSON_PROMPT_TOKENS + args.max_output_len
+    for name in ("peak_bandwidth_gbs", "peak_tflops"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
     if args.timeline:
         try:
             import matplotlib  # noqa: F401  (checked before the run, not after it)
@@ -312,13 +325,14 @@ def main():
         # Verify steps record a CPU graph per number of drafts at first sight: see them all before timing,
         # on a prompt that is not one of the run's.
         llm.generate(grounded_prompts(llm.tokenizer, args.num_seqs + 1)[-1:], params[:1], use_tqdm=False)
-    observer = StepObserver(llm) if args.timeline else None  # counts per step, after the warm-up
+    observer = StepObserver(llm)  # counts and seconds per step, after the warm-up
     before = llm.stats()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     s = {k: v - before[k] for k, v in llm.stats().items() if k in before and k.endswith(("tokens", "seconds", "steps",
                                                                                           "seqs", "preemptions", "drafts"))}
+    records = list(observer.records)  # this run's steps only (--structured-output runs again below)
     total = s["generated_tokens"]  # the output lengths, or fewer where EOS or a grammar ended a request
     results = {
         "dtype": str(llm.model_runner.dtype).removeprefix("torch."),
@@ -334,6 +348,10 @@ def main():
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "total_tokens": total, "seconds": elapsed, "throughput_tok_per_s": total / elapsed,
     }
+    runner = llm.model_runner
+    peak_bandwidth = args.peak_bandwidth_gbs * 1e9 if args.peak_bandwidth_gbs else measure_bandwidth(runner.device)
+    peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else measure_peak_flops(runner.device, runner.dtype)
+    results.update(roofline(records, StepCosts.of(runner), peak_bandwidth, peak_flops))
     if args.speculative_config:
         results.update({k: s[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
                                           "spec_decode_num_accepted_tokens")})
@@ -351,6 +369,15 @@ def main():
           f"mean decode batch: {results['mean_decode_batch']:.1f}")
     print(f"Preemptions: {results['num_preemptions']}, prefix-cache hit rate: {results['prefix_cache_hit_rate']:.1%}, "
           f"peak RSS: {results['peak_rss_gib']:.2f}GiB")
+    flops_unit, flops_scale = ("TFLOP/s", 1e12) if peak_flops >= 1e12 else ("GFLOP/s", 1e9)
+    print(f"Roofline: decode {results['decode_bytes_per_s'] / 1e9:.2f}GB/s, {results['decode_bandwidth_fraction']:.1%} "
+          f"of {peak_bandwidth / 1e9:.1f}GB/s ({'given' if args.peak_bandwidth_gbs else 'copy loop'}), reading "
+          f"weights {results['decode_weight_bytes'] / 1e9:.2f}GB + K/V {results['decode_kv_bytes'] / 1e9:.2f}GB in "
+          f"{results['decode_step_seconds']:.2f}s; prefill "
+          f"{results['prefill_flops_per_s'] / flops_scale:.2f}{flops_unit}, {results['prefill_compute_fraction']:.1%} "
+          f"of {peak_flops / flops_scale:.2f}{flops_unit} "
+          f"({'given' if args.peak_tflops else results['dtype'] + ' matmul'})"
+          + (f"; rank 0's shard of {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""))
     if args.speculative_config:
         print(f"Speculative decoding: {results['spec_decode_num_accepted_tokens']} of "
               f"{results['spec_decode_num_draft_tokens']} draft tokens accepted, mean accepted length "
@@ -360,7 +387,7 @@ def main():
         print(f"Single request: TTFT: {results['ttft_ms']:.1f}ms, "
               + (f"TPOT: {tpot:.2f}ms ({1e3 / tpot:.1f}tok/s)" if tpot else "no TPOT (one output token)"))
     if args.timeline:
-        plot_timeline(observer.records, args.timeline, f"bench.py: {args.num_seqs} requests, {total} output tokens, "
+        plot_timeline(records, args.timeline, f"bench.py: {args.num_seqs} requests, {total} output tokens, "
                       f"{'chunked prefill' if args.enable_chunked_prefill else 'prefill-first'}")
     if args.structured_output:
         # The same requests unconstrained, each as long as its constrained run: the grammar's cost alone.

@@ -4,7 +4,8 @@
 ``Scheduler.postprocess``, and the model runner's ``prepare_prefill``/``prepare_decode``) and reads
 their state around each call; the engine's own code is unchanged, and an engine that is not
 observed pays nothing. It keeps one small record per step (``records``: the numbers
-``bench.py --timeline`` plots) and, with ``write``, prints each step as a block of aligned text:
+``bench.py --timeline`` plots and its roofline line adds up, roofline.py) and, with ``write``,
+prints each step as a block of aligned text:
 the sequences admitted, preempted and finished, each sequence's block table and slot mapping,
 ``cu_seqlens`` or context lengths, the blocks' reference counts, which blocks carry a prefix hash,
 the free list's head, and the tokens sampled, as text; with chunked prefill the step's token
@@ -22,6 +23,7 @@ pending at admission); the grammar's masks before ``postprocess`` (which advance
 "sampled", "forked", "graph" and "finished" after it.
 """
 
+import time
 from typing import Callable
 
 from nanoengine.context import Context
@@ -81,6 +83,12 @@ class StepObserver:
             "num_kv_blocks": len(self.engine.block_manager.blocks),
             "preemptions": scheduler.num_preemptions - preemptions,
             "prefix_hit_tokens": scheduler.prefix_cache_hit_tokens - hits,
+            # For roofline.py: the engine's phase for the step (a step with any prompt token is a prefill),
+            # each sequence's (tokens already in the cache, tokens computed now), the sequences that
+            # sample, and (set by postprocess) the step's seconds, timed as the engine times them.
+            "phase": "decode" if all(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in seqs) else "prefill",
+            "spans": [(seq.num_computed_tokens, seq.num_scheduled_tokens) for seq in seqs],
+            "sampling_seqs": sum(seq.samples for seq in seqs),
         })
         if self.write is not None:
             preempted = [seq for seq in was_running if seq.status == SequenceStatus.WAITING]
@@ -94,6 +102,7 @@ class StepObserver:
                     self.write(f"         drafts    #{seq.seq_id} brings {len(seq.spec_token_ids)}: positions "
                                f"{newest + 1}..{newest + len(seq.spec_token_ids)} after its newest token's "
                                f"{newest}, in lookahead slots of its blocks")
+        self.step_start = time.perf_counter()
         return step
 
     def _why(self, scheduler, waiting: list[Sequence]) -> str:
@@ -154,6 +163,7 @@ class StepObserver:
                                                          self.engine.vocab_size)[1])) if constrained else {}
         tables = [list(seq.block_table) for seq in seqs]
         stepped = self._postprocess(seqs, token_ids, *args)
+        self.records[-1]["seconds"] = time.perf_counter() - self.step_start
         if self.write is not None:
             for seq, table in zip(seqs, tables):
                 self._released(seq, table)

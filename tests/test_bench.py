@@ -26,7 +26,8 @@ def run_bench(model: str, tmp_path, *options: str) -> tuple[str, dict]:
 def test_bench_prints_nano_vllm_final_line_and_json(tiny_models, tmp_path):
     stdout, results = run_bench(tiny_models["llama"], tmp_path, "--num-seqs", "6", "--min-input-len", "8",
                                 "--max-input-len", "24", "--min-output-len", "4", "--max-output-len", "12",
-                                "--dtype", "float32", "--compare-hf", "--penalties")
+                                "--dtype", "float32", "--compare-hf", "--penalties", "--peak-bandwidth-gbs", "20",
+                                "--peak-tflops", "0.5")
     last = stdout.strip().splitlines()[-1]
     match = re.fullmatch(r"Total: (\d+)tok, Time: (\d+\.\d{2})s, Throughput: (\d+\.\d{2})tok/s", last)
     assert match, last
@@ -35,6 +36,13 @@ def test_bench_prints_nano_vllm_final_line_and_json(tiny_models, tmp_path):
     for label in ("Prefill:", "Decode:", "mean decode batch", "Preemptions:", "prefix-cache hit rate", "peak RSS",
                   "dtype:", "threads:"):
         assert label in stdout
+    # The roofline against the given peaks (test_roofline.py checks its counts).
+    assert results["peak_bandwidth_bytes_per_s"] == 20e9 and results["peak_flops_per_s"] == 0.5e12
+    assert results["decode_bandwidth_fraction"] == results["decode_bytes_per_s"] / 20e9 > 0
+    assert results["prefill_compute_fraction"] == results["prefill_flops_per_s"] / 0.5e12 > 0
+    line = re.search(r"Roofline: decode ([\d.]+)GB/s, [\d.]+% of 20\.0GB/s \(given\), reading weights [\d.]+GB \+ "
+                     r"K/V [\d.]+GB in [\d.]+s; prefill ([\d.]+)GFLOP/s, [\d.]+% of 500\.00GFLOP/s \(given\)", stdout)
+    assert line and float(line.group(1)) == round(results["decode_bytes_per_s"] / 1e9, 2)
 
 
 def test_bench_reports_a_single_requests_ttft_and_tpot(tiny_models, tmp_path):
@@ -100,6 +108,7 @@ def test_bench_runs_dummy_weights_from_a_config_alone(tmp_path):
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert re.search(r"Throughput: \d+\.\d{2}tok/s$", result.stdout.strip())
+    assert re.search(r"Roofline: decode .* \(copy loop\), .* \(float32 matmul\)", result.stdout)  # peaks measured
 
 
 def test_bench_structured_output_reports_both_throughputs(tiny_models, tmp_path):
@@ -123,6 +132,7 @@ def test_bench_structured_output_reports_both_throughputs(tiny_models, tmp_path)
     (["bench_serving.py", "--workload", "grounded"], "only random's token-id prompts"),
     (["-m", "nanoengine.serve", "--port", "70000"], "invalid port value"),
     (["bench.py", "--json", "no/such/directory/out.json"], "its directory does not exist"),  # before the run
+    (["bench.py", "--peak-tflops", "0"], "--peak-tflops must be > 0"),
     (["bench_serving.py", "--json", "no/such/directory/out.json"], "its directory does not exist"),
     (["example.py", "--fork"], "--fork is a --trace scene"),
     (["example.py", "--trace"], "takes no --model"),  # --model is added below

@@ -88,7 +88,7 @@ class StepObserver:
             # sample, and (set by postprocess) the step's seconds, timed as the engine times them.
             "phase": "decode" if all(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in seqs) else "prefill",
             "spans": [(seq.num_computed_tokens, seq.num_scheduled_tokens) for seq in seqs],
-            "sampling_seqs": sum(seq.samples for seq in seqs),
+            "sampling_seqs": sum(seq.is_sampling for seq in seqs),
         })
         if self.write is not None:
             preempted = [seq for seq in was_running if seq.status == SequenceStatus.WAITING]

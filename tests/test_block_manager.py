@@ -596,7 +596,7 @@ def test_a_sliding_windows_steps_read_only_blocks_holding_their_keys(window, blo
     for op, index, n in ops:
         if op == "arrive" and waiting:
             seq = waiting[index % len(waiting)]
-            n = min(n, seq.num_tokens - bm.num_cached_tokens(seq))
+            n = min(n, seq.num_tokens - bm.num_hit_tokens(seq))
             if not bm.can_allocate(seq, n):
                 continue
             waiting.remove(seq)

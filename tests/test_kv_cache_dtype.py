@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nanoengine import LLM, SamplingParams, cpu_kernels, cpu_library
-from nanoengine.cli_args import engine_options, make_parser
+from nanoengine.serve_cli_args import engine_options, make_parser
 from nanoengine.kv_cache_dtype import dequantize, quantize
 from nanoengine.store_kvcache import store_kvcache_torch
 from nanoengine.triton_store_kvcache import store_kvcache_triton

@@ -58,12 +58,12 @@ def test_a_released_block_serves_prefix_hits_until_the_pool_reuses_it():
     released = [b for b in bm.blocks if b.ref_count == 0 and b.hash != -1]
     assert first.block_table[:2] == [NULL_BLOCK_ID] * 2 and len(released) == 2
     again = Sequence([1, 2, 3, 4, 9], SamplingParams(), BS)
-    assert bm.num_cached_tokens(again) == 4  # both released blocks revived from the pool
+    assert bm.num_hit_tokens(again) == 4  # both released blocks revived from the pool
     # Hand out every free block: the released ones get new contents, so the chain from block 0 is
     # broken and nothing is served.
     filler = Sequence(list(range(100, 100 + bm.num_free_blocks * BS)), SamplingParams(), BS)
     bm.allocate(filler)
-    assert {b.block_id for b in released} <= set(filler.block_table) and bm.num_cached_tokens(again) == 0
+    assert {b.block_id for b in released} <= set(filler.block_table) and bm.num_hit_tokens(again) == 0
 
 
 def test_a_prefix_hit_takes_back_only_the_blocks_the_first_steps_window_reads():

@@ -215,10 +215,11 @@ def test_quantized_weights_run_each_family_close_to_hf(family, quantization, sim
     assert torch.nn.functional.cosine_similarity(*centred, dim=-1).min() > similarity
 
 
-@pytest.mark.parametrize("name", ["gemma-3-1b", "gemma-2-2b", "mistral-7b"])
+@pytest.mark.parametrize("name", ["gemma-3-1b", "gemma-2-2b"])
 def test_bench_runs_dummy_weights_of_each_familys_config(tmp_path, name):
     """The real models' layer shapes (tests/data, cut to 2 layers and an 8k vocabulary to stay fast: Gemma's
-    256k-token embedding alone is 2.4 GB in float32), no weights, no tokenizer."""
+    256k-token embedding alone is 2.4 GB in float32), no weights, no tokenizer. (Mistral 7B's shapes are a
+    Llama's, with a window: the tiny Mistral's tests run that path.)"""
     import re
     import subprocess
     import sys

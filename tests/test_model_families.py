@@ -42,21 +42,14 @@ def random_prompts(vocab_size: int, lengths: tuple[int, ...], seed: int) -> list
     return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
-@pytest.mark.parametrize("family", FAMILIES)
-@torch.inference_mode()
-def test_teacher_forced_logits_match_hf_through_paged_cache(family, kernels, family_models):
-    """A prefill of prompts within, at and past the window, then decode steps that slide it on."""
-    llm = LLM(family_models[family], dtype="float32", device="cpu", kvcache_block_size=4,
-              enable_prefix_caching=False, **KERNELS[kernels])
+def assert_teacher_forced_logits_match_hf(llm: LLM, hf, prompt_lens: tuple[int, ...], steps: int) -> None:
+    """Random prompts of ``prompt_lens`` in one prefill step, then ``steps`` decode steps each fed the
+    next token of the same random text: every position's logits through the paged cache equal HF's
+    over the whole text."""
     runner, model = llm.model_runner, llm.model_runner.model
-    windows = [layer.self_attn.attn.window_size for layer in model.model.layers]
-    assert (WINDOW - 1, 0) in windows  # the sliding layers are sliding: every layer in Mistral's config
-    prompt_lens, steps = (5, 8, 23), 12
     full = random_prompts(llm.vocab_size, tuple(n + steps for n in prompt_lens), seed=0)
-    hf = hf_model(family_models[family])
     expected = [hf(torch.tensor([ids])).logits[0] for ids in full]
-    seqs = [Sequence(ids[:n], SamplingParams(), 4) for ids, n in zip(full, prompt_lens)]
+    seqs = [Sequence(ids[:n], SamplingParams(), llm.block_manager.block_size) for ids, n in zip(full, prompt_lens)]
     for seq in seqs:
         llm.block_manager.allocate(seq)
         seq.num_scheduled_tokens = seq.num_tokens
@@ -69,10 +62,22 @@ def test_teacher_forced_logits_match_hf_through_paged_cache(family, kernels, fam
         for seq, ids, n in zip(seqs, full, prompt_lens):
             seq.append_token(ids[n + step])
             llm.block_manager.may_append(seq)
-        input_ids, positions, ctx = runner.prepare_decode(seqs)
-        logits = model.compute_logits(model(input_ids, positions, ctx))
+        logits = model.compute_logits(model(*runner.prepare_decode(seqs)))
         for i, n in enumerate(prompt_lens):
             torch.testing.assert_close(logits[i], expected[i][n + step], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.inference_mode()
+def test_teacher_forced_logits_match_hf_through_paged_cache(family, kernels, family_models):
+    """A prefill of prompts within, at and past the window, then decode steps that slide it on."""
+    llm = LLM(family_models[family], dtype="float32", device="cpu", kvcache_block_size=4,
+              enable_prefix_caching=False, **KERNELS[kernels])
+    model = llm.model_runner.model
+    windows = [layer.self_attn.attn.window_size for layer in model.model.layers]
+    assert (WINDOW - 1, 0) in windows  # the sliding layers are sliding: every layer in Mistral's config
+    assert_teacher_forced_logits_match_hf(llm, hf_model(family_models[family]), (5, 8, 23), 12)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -29,7 +29,7 @@ from nanoengine.moe import FusedMoE, permute, route
 from nanoengine.sequence import Sequence
 from nanoengine.spec_decode import SpeculativeConfig
 from tests.conftest import OracleProposer, make_tiny_model
-from tests.test_model_families import KERNELS, random_prompts
+from tests.test_model_families import KERNELS, assert_teacher_forced_logits_match_hf, random_prompts
 from tests.test_model_vs_hf import assert_greedy_matches_hf
 from tests.test_tensor_parallel import GREEDY, NUM_DECODE_STEPS, OPTIONS, PROMPT_LENS, shared_prefix_prompts, \
     teacher_forced_logits
@@ -119,29 +119,10 @@ def test_teacher_forced_moe_logits_match_hf_through_paged_cache(family, kernels,
     and in learner mode (torch everywhere)."""
     llm = LLM(moe_models[family], dtype="float32", device="cpu", kvcache_block_size=4,
               enable_prefix_caching=False, **KERNELS[kernels])
-    runner, model = llm.model_runner, llm.model_runner.model
+    model = llm.model_runner.model
     sparse = [type(layer.mlp) is FusedMoE for layer in model.model.layers]
     assert sparse == ([True, False, True] if family == "qwen3_moe" else [True] * 3)
-    prompt_lens, steps = (5, 17, 27), 8
-    full = random_prompts(VOCAB, tuple(n + steps for n in prompt_lens), seed=0)
-    hf = hf_model(moe_models[family])
-    expected = [hf(torch.tensor([ids])).logits[0] for ids in full]
-    seqs = [Sequence(ids[:n], SamplingParams(), 4) for ids, n in zip(full, prompt_lens)]
-    for seq in seqs:
-        llm.block_manager.allocate(seq)
-        seq.num_scheduled_tokens = seq.num_tokens
-    logits = model.compute_logits(model(*runner.prepare_prefill(seqs)))
-    start = 0
-    for i, n in enumerate(prompt_lens):
-        torch.testing.assert_close(logits[start:start + n], expected[i][:n], atol=1e-4, rtol=0)
-        start += n
-    for step in range(steps):
-        for seq, ids, n in zip(seqs, full, prompt_lens):
-            seq.append_token(ids[n + step])
-            llm.block_manager.may_append(seq)
-        logits = model.compute_logits(model(*runner.prepare_decode(seqs)))
-        for i, n in enumerate(prompt_lens):
-            torch.testing.assert_close(logits[i], expected[i][n + step], atol=1e-4, rtol=0)
+    assert_teacher_forced_logits_match_hf(llm, hf_model(moe_models[family]), (5, 17, 27), 8)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -154,8 +154,10 @@ def test_a_forced_function_call_and_its_output_sent_back(client):
 
 
 def test_a_streamed_forced_call_gives_its_arguments_in_deltas(client):
+    """``required`` with ``parallel_tool_calls: false``: exactly one call, whatever the sampled tokens
+    (``required`` alone lets the model make several)."""
     events = streamed(client.responses.create(model="tiny", input=ASK, tools=[WEATHER], tool_choice="required",
-                                              max_output_tokens=96, stream=True))
+                                              parallel_tool_calls=False, max_output_tokens=96, stream=True))
     final = events[-1].response
     assert final.status == "completed"
     [call] = final.output
